@@ -1,0 +1,23 @@
+"""foxhunt_stream: restore safetensors checkpoints into GPU memory at the speed of the hardware,
+and write them back just as fast.
+
+    import foxhunt_stream as fs
+    tensors = fs.load_file("model.safetensors", device="cuda:0", framework="pt")
+    fs.save_file(tensors, "copy.safetensors")
+"""
+
+from . import settings
+from .checkpoint import read_header
+from .device import DeviceError
+from .errors import DeviceOutOfMemoryError, FormatError, StoreMismatchError
+from .loader import LoadHandle, LoadIntoWarning, load_file, load_into, safe_open
+from .saver import save_file
+from .sink import clean_stale_temps
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
+    "safe_open", "load_file", "load_into", "save_file", "LoadHandle", "read_header", "clean_stale_temps",
+    "settings", "__version__",
+]

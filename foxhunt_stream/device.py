@@ -1,0 +1,146 @@
+"""Devices: parse a device argument, and the CUDA pieces the pipeline needs (via cupy).
+
+cupy is imported lazily, so ``import foxhunt_stream`` works on a machine without it.
+Per device and process we keep: the pinned staging pool and one non-blocking stream per worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import DeviceError
+from .staging import StagingPool
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    kind: str      # "cpu" | "cuda"
+    index: int = 0
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+
+CPU = Device("cpu")
+
+
+def parse_device(device) -> Device:
+    """``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``N`` or a ``torch.device``."""
+    if isinstance(device, Device):
+        return device
+    if device is None:
+        return CPU
+    if isinstance(device, bool):
+        raise DeviceError(f"invalid device {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise DeviceError(f"invalid device {device!r}: a GPU index is non-negative")
+        return Device("cuda", device)
+    if type(device).__module__ == "torch" and type(device).__name__ == "device":
+        return Device("cpu") if device.type == "cpu" else parse_device(
+            f"{device.type}:{device.index if device.index is not None else 0}")
+    if isinstance(device, str):
+        s = device.strip().lower()
+        if s == "cpu":
+            return CPU
+        if s == "cuda":
+            return Device("cuda", 0)
+        if s.startswith("cuda:") and s[5:].isdigit():
+            return Device("cuda", int(s[5:]))
+    raise DeviceError(f"invalid device {device!r}; use 'cpu', 'cuda', 'cuda:N' or an int")
+
+
+def cupy():
+    """The cupy module, or a DeviceError saying how to get it."""
+    try:
+        import cupy as cp
+    except ImportError as e:
+        raise DeviceError("GPU loading needs cupy: pip install 'foxhunt-stream[cuda12]' or "
+                          f"'foxhunt-stream[cuda13]' ({e})") from None
+    return cp
+
+
+def check_device(device: Device) -> None:
+    """Raise DeviceError unless ``device`` is a CUDA device that exists."""
+    if not device.is_cuda:
+        return
+    cp = cupy()
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # cudaErrorNoDevice, driver missing...
+        raise DeviceError(f"{device}: no usable CUDA GPU ({e})") from None
+    if device.index >= n:
+        raise DeviceError(f"{device}: no such GPU; this machine has {n} CUDA device(s)")
+
+
+def cuda_available() -> bool:
+    try:
+        check_device(Device("cuda", 0))
+        return True
+    except DeviceError:
+        return False
+
+
+# ---------------------------------------------------------------- per-device resources
+
+class CudaContext:
+    """Streams and pinned staging of one device, created on first use, reused after."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self._streams: list = []
+        self._pool: StagingPool | None = None
+        self._lock = threading.Lock()
+
+    def stream(self, worker: int):
+        cp = cupy()
+        with self._lock:
+            while len(self._streams) <= worker:
+                with cp.cuda.Device(self.index):
+                    self._streams.append(cp.cuda.Stream(non_blocking=True))
+            return self._streams[worker]
+
+    def pool(self, slot_bytes: int, n_slots: int) -> StagingPool:
+        with self._lock:
+            p = self._pool
+            if p is None or p.slot_bytes != slot_bytes or p.n_slots != n_slots:
+                cp = cupy()
+
+                def allocate(nbytes: int):
+                    with cp.cuda.Device(self.index):
+                        mem = cp.cuda.PinnedMemory(nbytes)
+                        ptr = cp.cuda.PinnedMemoryPointer(mem, 0)
+                        return np.frombuffer(ptr, np.uint8, nbytes), ptr
+
+                p = self._pool = StagingPool(slot_bytes, n_slots, allocate, f"pinned:{self.index}")
+            return p
+
+    def synchronize(self) -> None:
+        for s in list(self._streams):
+            s.synchronize()
+
+
+_contexts: dict[int, CudaContext] = {}
+_ctx_lock = threading.Lock()
+
+
+def context(index: int) -> CudaContext:
+    with _ctx_lock:
+        ctx = _contexts.get(index)
+        if ctx is None:
+            ctx = _contexts[index] = CudaContext(index)
+        return ctx
+
+
+def release_staging() -> None:
+    """Free every pinned staging pool (they are otherwise kept for the next load)."""
+    with _ctx_lock:
+        for ctx in _contexts.values():
+            ctx._pool = None

@@ -1,0 +1,112 @@
+"""The dtype table: every safetensors dtype, its bit size and its host/torch types.
+
+One table shared by parser, loader, saver and frameworks. The order of ``DTYPES`` is the
+reference's enum order, which its serializer sorts by (descending), so it is part of the format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    name: str            # the safetensors spelling, e.g. "BF16"
+    bits: int            # bits per element
+    numpy: np.dtype      # host element type; sub-byte types load as raw uint8
+    torch_name: str | None  # attribute of the ``torch`` module, if torch has the type
+    rank: int            # position in the reference enum (serializer order)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element; 0 for sub-byte types (F4, F6)."""
+        return self.bits // 8 if self.bits % 8 == 0 else 0
+
+    @property
+    def sub_byte(self) -> bool:
+        return self.bits % 8 != 0
+
+
+def _t(*rows):
+    return {name: DType(name, bits, np.dtype(npt), torch_name, rank)
+            for rank, (name, bits, npt, torch_name) in enumerate(rows)}
+
+
+# Reference enum order (safetensors/src/tensor.rs, `enum Dtype`): do not reorder.
+DTYPES: dict[str, DType] = _t(
+    ("BOOL", 8, np.bool_, "bool"),
+    ("F4", 4, np.uint8, "float4_e2m1fn_x2"),
+    ("F6_E2M3", 6, np.uint8, None),
+    ("F6_E3M2", 6, np.uint8, None),
+    ("U8", 8, np.uint8, "uint8"),
+    ("I8", 8, np.int8, "int8"),
+    ("F8_E5M2", 8, ml_dtypes.float8_e5m2, "float8_e5m2"),
+    ("F8_E4M3", 8, ml_dtypes.float8_e4m3fn, "float8_e4m3fn"),
+    ("F8_E8M0", 8, ml_dtypes.float8_e8m0fnu, "float8_e8m0fnu"),
+    ("F8_E4M3FNUZ", 8, ml_dtypes.float8_e4m3fnuz, "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", 8, ml_dtypes.float8_e5m2fnuz, "float8_e5m2fnuz"),
+    ("I16", 16, np.int16, "int16"),
+    ("U16", 16, np.uint16, "uint16"),
+    ("F16", 16, np.float16, "float16"),
+    ("BF16", 16, ml_dtypes.bfloat16, "bfloat16"),
+    ("I32", 32, np.int32, "int32"),
+    ("U32", 32, np.uint32, "uint32"),
+    ("F32", 32, np.float32, "float32"),
+    ("C64", 64, np.complex64, "complex64"),
+    ("F64", 64, np.float64, "float64"),
+    ("I64", 64, np.int64, "int64"),
+    ("U64", 64, np.uint64, "uint64"),
+)
+
+_FROM_NUMPY: dict[np.dtype, DType] = {}
+for _d in DTYPES.values():
+    if not _d.sub_byte:
+        _FROM_NUMPY.setdefault(_d.numpy, _d)
+
+_FROM_TORCH_NAME: dict[str, DType] = {d.torch_name: d for d in DTYPES.values() if d.torch_name}
+
+
+def from_numpy(dtype: np.dtype) -> DType:
+    """The safetensors dtype of a host array; raises TypeError for types the format lacks."""
+    dtype = np.dtype(dtype)
+    try:
+        return _FROM_NUMPY[dtype.newbyteorder("=") if dtype.byteorder == ">" else dtype]
+    except KeyError:
+        raise TypeError(f"numpy dtype {dtype} has no safetensors equivalent; "
+                        f"supported: {sorted(str(k) for k in _FROM_NUMPY)}") from None
+
+
+def from_torch(dtype) -> DType:
+    """The safetensors dtype of a torch dtype (``torch.bfloat16`` -> BF16)."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return _FROM_TORCH_NAME[name]
+    except KeyError:
+        raise TypeError(f"torch dtype {dtype} has no safetensors equivalent") from None
+
+
+def host_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the host array holding a tensor of logical ``shape``.
+
+    Byte types keep their shape. Sub-byte types (F4, F6_*) are returned as raw packed uint8:
+    the last dimension shrinks by bits/8 when it packs into whole bytes (F4 ``[n, 2k]`` ->
+    ``[n, k]``, the layout torch's ``float4_e2m1fn_x2`` uses), otherwise a flat byte vector.
+    """
+    if not dtype.sub_byte:
+        return shape
+    if shape and (shape[-1] * dtype.bits) % 8 == 0:
+        return shape[:-1] + (shape[-1] * dtype.bits // 8,)
+    n = 1
+    for s in shape:
+        n *= s
+    return ((n * dtype.bits) // 8,)
+
+
+def nbytes(dtype: DType, shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype.bits // 8

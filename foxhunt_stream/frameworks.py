@@ -1,0 +1,174 @@
+"""Frameworks: numpy, cupy and torch views of landed bytes, passed down the pipeline as a value.
+
+A framework allocates the destination of each tensor (``empty``) and tells the pipeline where
+its bytes live (``buffer``: a host uint8 view, or a device pointer). The stages never branch on
+the framework name; they only see a ``Buffer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .device import Device, cupy
+from .dtypes import DType, from_numpy, from_torch, host_shape
+from .errors import DeviceOutOfMemoryError
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """Where a destination's bytes go: host memory (``host``) or a device address (``ptr``)."""
+    device: Device
+    nbytes: int
+    host: np.ndarray | None = None   # uint8, contiguous (cpu)
+    ptr: int = 0                      # device address (cuda)
+
+
+def _host_bytes(arr: np.ndarray) -> np.ndarray:
+    if not arr.flags.c_contiguous:
+        raise ValueError("destination array must be C-contiguous")
+    return arr.reshape(-1).view(np.uint8)
+
+
+class NumpyFramework:
+    name = "numpy"
+
+    def empty(self, dtype: DType, shape, device: Device, tensor: str = "") -> np.ndarray:
+        if device.is_cuda:
+            raise ValueError("framework 'numpy' holds host arrays only; use device='cpu' or framework='cupy'/'pt'")
+        return np.empty(host_shape(dtype, tuple(shape)), dtype.numpy)
+
+    def owns(self, x) -> bool:
+        return isinstance(x, np.ndarray)
+
+    def buffer(self, arr: np.ndarray) -> Buffer:
+        return Buffer(Device("cpu"), arr.nbytes, host=_host_bytes(arr))
+
+    def describe(self, arr) -> tuple[DType | None, tuple[int, ...], Device]:
+        try:
+            dt = from_numpy(arr.dtype)
+        except TypeError:
+            dt = None
+        return dt, tuple(arr.shape), Device("cpu")
+
+
+class CupyFramework:
+    name = "cupy"
+
+    def _dtype(self, dtype: DType):
+        """cupy's own type where it has one; bf16/fp8 fall back to same-width unsigned views."""
+        cp = cupy()
+        if dtype.sub_byte:
+            return np.dtype(np.uint8)
+        try:
+            cp.empty(0, dtype.numpy)
+            return dtype.numpy
+        except Exception:
+            return np.dtype(f"u{dtype.itemsize}")
+
+    def empty(self, dtype: DType, shape, device: Device, tensor: str = ""):
+        cp = cupy()
+        shp = host_shape(dtype, tuple(shape))
+        if not device.is_cuda:
+            return NumpyFramework().empty(dtype, shape, device)
+        with cp.cuda.Device(device.index):
+            try:
+                return cp.empty(shp, self._dtype(dtype))
+            except cp.cuda.memory.OutOfMemoryError:
+                raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shp)) * max(1, dtype.itemsize)) from None
+
+    def owns(self, x) -> bool:
+        return type(x).__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "device")
+
+    def buffer(self, arr) -> Buffer:
+        if isinstance(arr, np.ndarray):
+            return NumpyFramework().buffer(arr)
+        if not arr.flags.c_contiguous:
+            raise ValueError("destination array must be C-contiguous")
+        return Buffer(Device("cuda", arr.device.id), arr.nbytes, ptr=arr.data.ptr)
+
+    def describe(self, arr):
+        try:
+            dt = from_numpy(arr.dtype)
+        except TypeError:
+            dt = None
+        return dt, tuple(arr.shape), Device("cuda", arr.device.id)
+
+
+class TorchFramework:
+    name = "pt"
+
+    def _torch(self):
+        import torch
+        return torch
+
+    def torch_dtype(self, dtype: DType):
+        torch = self._torch()
+        t = getattr(torch, dtype.torch_name, None) if dtype.torch_name else None
+        return t if t is not None else torch.uint8
+
+    def empty(self, dtype: DType, shape, device: Device, tensor: str = ""):
+        torch = self._torch()
+        shp = host_shape(dtype, tuple(shape))
+        try:
+            return torch.empty(shp, dtype=self.torch_dtype(dtype), device=str(device))
+        except torch.OutOfMemoryError:
+            raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shp)) * max(1, dtype.itemsize)) from None
+
+    def owns(self, x) -> bool:
+        return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+    def buffer(self, t) -> Buffer:
+        torch = self._torch()
+        if not t.is_contiguous():
+            raise ValueError("destination tensor must be contiguous")
+        nbytes = t.numel() * t.element_size()
+        if t.device.type == "cpu":
+            flat = t.detach().reshape(-1)
+            host = flat.view(torch.uint8).numpy() if nbytes else np.empty(0, np.uint8)
+            return Buffer(Device("cpu"), nbytes, host=host)
+        if t.device.type != "cuda":
+            raise ValueError(f"unsupported torch device {t.device}")
+        return Buffer(Device("cuda", t.device.index or 0), nbytes, ptr=t.data_ptr())
+
+    def describe(self, t):
+        try:
+            dt = from_torch(t.dtype)
+        except TypeError:
+            dt = None
+        dev = Device("cpu") if t.device.type == "cpu" else Device("cuda", t.device.index or 0)
+        return dt, tuple(t.shape), dev
+
+
+_FRAMEWORKS = {"numpy": NumpyFramework, "np": NumpyFramework, "cupy": CupyFramework, "cp": CupyFramework,
+               "pt": TorchFramework, "torch": TorchFramework}
+
+
+def get_framework(framework: str | None, device: Device):
+    if framework is None:
+        framework = "numpy" if not device.is_cuda else "cupy"
+    try:
+        return _FRAMEWORKS[framework]()
+    except KeyError:
+        raise ValueError(f"unknown framework {framework!r}; choose numpy, cupy or pt") from None
+
+
+def framework_of(x):
+    """The framework owning an array (numpy, cupy or torch)."""
+    for cls in (NumpyFramework, TorchFramework, CupyFramework):
+        f = cls()
+        if f.owns(x):
+            return f
+    raise TypeError(f"unsupported array type {type(x).__module__}.{type(x).__name__}; "
+                    "expected a numpy, cupy or torch array")
+
+
+def expected_host_dtype(framework, dtype: DType) -> Any:
+    """The element type a framework uses for ``dtype`` (for load_into checks)."""
+    if isinstance(framework, TorchFramework):
+        return framework.torch_dtype(dtype)
+    if isinstance(framework, CupyFramework):
+        return framework._dtype(dtype)
+    return np.dtype(dtype.numpy)

@@ -1,0 +1,246 @@
+"""The safetensors header: parse, validate, serialize. Pure functions, no I/O.
+
+Validation follows the reference implementation rule by rule (safetensors/src/tensor.rs,
+``read_metadata`` and ``Metadata::validate``) and is stricter where it is lax:
+
+* duplicate tensor names or fields are an error (the reference keeps the last one);
+* a tensor entry must be a JSON object (the reference also takes a 3-element array);
+* JSON must be strict: no NaN/Infinity literals, no lone surrogates.
+
+Every rule is a ``FormatError`` whose ``rule`` attribute names it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from .dtypes import DTYPES, DType
+from .errors import FormatError
+
+N_LEN = 8
+MAX_HEADER_SIZE = 100_000_000
+_U64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor of a file: where its bytes are, relative to the start of the data region."""
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    start: int   # offset of the first byte inside the data region
+    end: int     # one past the last byte
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A validated header. ``tensors`` are in file (offset) order."""
+    metadata: dict[str, str] | None
+    tensors: tuple[TensorInfo, ...]
+    header_len: int                     # n, the JSON length including padding
+    by_name: dict[str, TensorInfo] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def data_start(self) -> int:
+        """Absolute file offset of the data region."""
+        return N_LEN + self.header_len
+
+    @property
+    def data_len(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+    @property
+    def file_size(self) -> int:
+        return self.data_start + self.data_len
+
+
+def read_header_len(prefix: bytes, file_size: int) -> int:
+    """Validate the 8-byte length prefix against the file size; returns n."""
+    if len(prefix) < N_LEN or file_size < N_LEN:
+        raise FormatError("header-too-small", f"file has {file_size} bytes, fewer than the 8-byte length prefix")
+    (n,) = struct.unpack("<Q", prefix[:N_LEN])
+    if n > MAX_HEADER_SIZE:
+        raise FormatError("header-too-large", f"header length {n} exceeds the limit of {MAX_HEADER_SIZE}")
+    if N_LEN + n > file_size:
+        raise FormatError("header-length", f"header length {n} runs past the end of the {file_size}-byte file")
+    return n
+
+
+def _reject_constant(token: str):
+    raise FormatError("header-json", f"non-standard JSON constant {token}")
+
+
+def _pairs_no_duplicates(pairs):
+    seen = {}
+    for k, v in pairs:
+        if k in seen:
+            raise FormatError("duplicate-key", f"key {k!r} appears twice in one JSON object")
+        seen[k] = v
+    return seen
+
+
+def _check_str(s: str, what: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FormatError("header-json", f"{what} contains a lone surrogate escape") from None
+
+
+def _is_uint(x) -> bool:
+    return type(x) is int and 0 <= x <= _U64_MAX
+
+
+def parse_header(header_bytes: bytes, file_size: int) -> Header:
+    """Parse and validate a whole header (``header_bytes`` = the 8-byte prefix + JSON).
+
+    ``file_size`` is the size of the file it came from: the data region must end exactly there.
+    Nothing is allocated in proportion to what the header claims.
+    """
+    n = read_header_len(header_bytes, file_size)
+    if len(header_bytes) < N_LEN + n:
+        raise FormatError("header-length", f"header length {n} but only {len(header_bytes) - N_LEN} header bytes given")
+    raw = bytes(header_bytes[N_LEN:N_LEN + n])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError("header-utf8", f"header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_pairs_no_duplicates, parse_constant=_reject_constant)
+    except FormatError:
+        raise
+    except json.JSONDecodeError as e:
+        raise FormatError("header-json", f"header is not valid JSON: {e.msg} at char {e.pos}") from None
+    except (RecursionError, ValueError) as e:
+        raise FormatError("header-json", f"header is not valid JSON: {type(e).__name__}: {e}"[:300]) from None
+    if not isinstance(obj, dict):
+        raise FormatError("header-not-object", f"header JSON is a {type(obj).__name__}, not an object")
+
+    metadata = obj.pop("__metadata__", None)
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise FormatError("metadata-type", "__metadata__ must be an object of string to string, or null")
+        for k, v in metadata.items():
+            _check_str(k, "__metadata__ key")
+            if not isinstance(v, str):
+                raise FormatError("metadata-type", f"__metadata__[{k!r}] is a {type(v).__name__}, not a string")
+            _check_str(v, f"__metadata__[{k!r}]")
+
+    infos: list[TensorInfo] = []
+    for name, entry in obj.items():
+        infos.append(_tensor_info(name, entry))
+
+    infos.sort(key=lambda t: (t.start, t.end))
+    pos = 0
+    for t in infos:
+        if t.start != pos or t.end < t.start:
+            raise FormatError("offsets-tiling",
+                              f"data_offsets [{t.start}, {t.end}] do not start where the previous tensor ends ({pos}): "
+                              "tensors must tile the data region with no gap or overlap", tensor=t.name)
+        pos = t.end
+        nbits = t.numel * t.dtype.bits
+        if t.numel > _U64_MAX or nbits > _U64_MAX:
+            raise FormatError("size-overflow", f"shape {list(t.shape)} overflows a 64-bit byte count", tensor=t.name)
+        if nbits % 8:
+            raise FormatError("misaligned-slice", f"{t.numel} x {t.dtype.bits} bits is not a whole number of bytes",
+                              tensor=t.name)
+        if nbits // 8 != t.end - t.start:
+            raise FormatError("size-mismatch",
+                              f"{t.dtype.name}{list(t.shape)} needs {nbits // 8} bytes but data_offsets span "
+                              f"{t.end - t.start}", tensor=t.name)
+    if N_LEN + n + pos != file_size:
+        raise FormatError("incomplete-buffer",
+                          f"data region should end at byte {N_LEN + n + pos} but the file has {file_size} bytes")
+    header = Header(metadata=metadata, tensors=tuple(infos), header_len=n)
+    header.by_name.update((t.name, t) for t in infos)
+    return header
+
+
+def _tensor_info(name: str, entry) -> TensorInfo:
+    _check_str(name, "tensor name")
+    if not isinstance(entry, dict):
+        raise FormatError("tensor-entry", f"entry is a {type(entry).__name__}, not an object", tensor=name)
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in entry:
+            raise FormatError("tensor-entry", f"missing field {key!r}", tensor=name)
+    dt = entry["dtype"]
+    if not isinstance(dt, str) or dt not in DTYPES:
+        raise FormatError("unknown-dtype", f"dtype {dt!r} is not one of {', '.join(DTYPES)}", tensor=name)
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(_is_uint(s) for s in shape):
+        raise FormatError("shape", f"shape {shape!r} must be a list of non-negative integers", tensor=name)
+    offs = entry["data_offsets"]
+    if not isinstance(offs, list) or len(offs) != 2 or not all(_is_uint(o) for o in offs):
+        raise FormatError("data-offsets", f"data_offsets {offs!r} must be exactly two non-negative integers",
+                          tensor=name)
+    return TensorInfo(name, DTYPES[dt], tuple(shape), offs[0], offs[1])
+
+
+# ---------------------------------------------------------------- serializer
+
+def _sort_key(item: tuple[str, DType]):
+    name, dtype = item
+    return (-dtype.rank, name.encode("utf-8"))
+
+
+def layout(entries: Iterable[tuple[str, DType, tuple[int, ...]]]) -> list[TensorInfo]:
+    """Order and place tensors as the reference serializer does: dtype (descending enum order),
+    then name bytewise, packed back to back from offset 0."""
+    items = sorted(entries, key=lambda e: (-e[1].rank, e[0].encode("utf-8")))
+    out, pos = [], 0
+    seen = set()
+    for name, dtype, shape in items:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {type(name).__name__}")
+        if name in seen:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        if name == "__metadata__":
+            raise ValueError("'__metadata__' is reserved and cannot name a tensor")
+        seen.add(name)
+        nbits = 1
+        for s in shape:
+            nbits *= int(s)
+        nbits *= dtype.bits
+        if nbits % 8:
+            raise ValueError(f"tensor {name!r}: {dtype.name}{list(shape)} is not a whole number of bytes")
+        size = nbits // 8
+        out.append(TensorInfo(name, dtype, tuple(int(s) for s in shape), pos, pos + size))
+        pos += size
+    return out
+
+
+def serialize_header(tensors: Iterable[TensorInfo], metadata: Mapping[str, str] | None) -> bytes:
+    """The 8-byte prefix plus JSON, byte-identical to the reference for the same layout.
+
+    JSON is compact, ``__metadata__`` first, each entry as dtype, shape, data_offsets, padded
+    with spaces to a multiple of 8. (The reference writes metadata keys in hash order, so with
+    two or more keys its bytes vary run to run; we write them sorted.)
+    """
+    parts = []
+    if metadata is not None:
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError(f"metadata must map str to str, got {k!r}: {type(v).__name__}")
+        parts.append('"__metadata__":' + json.dumps(dict(sorted(metadata.items())), ensure_ascii=False,
+                                                    separators=(",", ":")))
+    for t in tensors:
+        parts.append(json.dumps(t.name, ensure_ascii=False) + ':{"dtype":"' + t.dtype.name + '","shape":['
+                     + ",".join(str(s) for s in t.shape) + '],"data_offsets":[' + f"{t.start},{t.end}" + "]}")
+    body = ("{" + ",".join(parts) + "}").encode("utf-8")
+    body += b" " * (-len(body) % N_LEN)
+    if len(body) > MAX_HEADER_SIZE:
+        raise ValueError(f"header of {len(body)} bytes exceeds the format's limit of {MAX_HEADER_SIZE}")
+    return struct.pack("<Q", len(body)) + body

@@ -1,0 +1,379 @@
+"""The loader: checkpoint -> plan -> sources -> staging -> target -> framework arrays.
+
+``safe_open``, ``load_file``, ``load_into`` and ``prefetch``-style background loads are thin
+front ends over one ``Landing``: a plan being executed by the pipeline into destination buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from typing import Any, Iterator, Mapping, MutableMapping
+
+from . import settings as _settings
+from .checkpoint import Checkpoint, Names, open_checkpoint, select
+from .device import CPU, Device, check_device, context, parse_device
+from .dtypes import DType, host_shape
+from .errors import StoreMismatchError
+from .frameworks import Buffer, expected_host_dtype, framework_of, get_framework
+from .pipeline import Job
+from .plan import LoadPlan, Selection, plan_load
+from .source import FileSource, open_source, resident_fraction
+from .target import CudaTarget, HostTarget
+
+log = logging.getLogger("foxhunt_stream")
+
+
+class LoadIntoWarning(UserWarning):
+    """load_into(strict=False) skipped names: ``missing`` (in the store only), ``unexpected`` (file only)."""
+
+    def __init__(self, missing: list[str], unexpected: list[str]) -> None:
+        self.missing, self.unexpected = missing, unexpected
+        super().__init__(f"load_into: {len(missing)} missing name(s) {missing[:10]} and {len(unexpected)} "
+                         f"unexpected name(s) {unexpected[:10]} were skipped")
+
+
+def _backend_for(path: str, s: _settings.Settings) -> str:
+    if s.direct_io == "on":
+        return "direct"
+    if s.direct_io == "auto" and resident_fraction(path) < 0.5:
+        return "direct"
+    return s.backend
+
+
+def open_sources(ck: Checkpoint, s: _settings.Settings) -> list[FileSource]:
+    out = []
+    try:
+        for p, h in zip(ck.paths, ck.headers):
+            out.append(open_source(p, _backend_for(p, s), h.file_size))
+    except BaseException:
+        for src in out:
+            src.close()
+        raise
+    return out
+
+
+class Landing:
+    """A load plan in flight: per-destination readiness, cancellation, one wait for all."""
+
+    def __init__(self, plan: LoadPlan, sources: list[FileSource], buffers: list[Buffer],
+                 s: _settings.Settings, keepalive: Any = None) -> None:
+        self.plan = plan
+        self.buffers = buffers
+        self.sources = sources
+        self._lock = threading.Lock()
+        self._remaining = list(plan.chunks_per_dest)
+        self._events: list[list] = [[] for _ in plan.destinations]
+        self._ready = [threading.Event() for _ in plan.destinations]
+        for d, n in enumerate(self._remaining):
+            if n == 0:
+                self._ready[d].set()
+        self._targets: dict[Device, Any] = {}
+        for b in buffers:
+            if b.device not in self._targets:
+                self._targets[b.device] = (CudaTarget(b.device.index, s.chunk_bytes, s.n_slots) if b.device.is_cuda
+                                           else HostTarget(s.chunk_bytes, s.n_slots))
+        self.started = time.perf_counter()
+        self.job = Job(plan.chunks, self._work, s.threads, self._on_done, keepalive=keepalive)
+        log.debug("load: %d tensors, %d bytes, %d chunks, %d threads, chunk %d, staging %d, backends %s",
+                  len(plan.destinations), plan.nbytes, len(plan.chunks), s.threads, s.chunk_bytes,
+                  s.staging_bytes, sorted({src.backend for src in sources}))
+        self.job.start()
+
+    def _work(self, worker: int, chunk):
+        buf = self.buffers[chunk.dest]
+        return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf)
+
+    def _on_done(self, i: int, chunk, event) -> None:
+        with self._lock:
+            if event is not None:
+                self._events[chunk.dest].append(event)
+            self._remaining[chunk.dest] -= 1
+            if self._remaining[chunk.dest] == 0:
+                self._ready[chunk.dest].set()
+
+    def wait_dest(self, d: int) -> None:
+        """Block until destination ``d`` has fully landed (its copies complete)."""
+        while not self._ready[d].wait(0.05):
+            if self.job.done():
+                break
+        if not self._ready[d].is_set():
+            self.finish()   # raises the job's error
+            raise RuntimeError("load ended before every chunk landed")
+        for ev in self._events[d]:
+            ev.synchronize()
+
+    def finish(self) -> None:
+        """Wait for everything; on error, make sure no copy is still writing before raising."""
+        try:
+            self.job.wait()
+        except BaseException:
+            self._drain()
+            raise
+        self._drain()
+        elapsed = time.perf_counter() - self.started
+        if elapsed > 0:
+            log.debug("load: %.3f s, %.2f GB/s", elapsed, self.plan.nbytes / elapsed / 1e9)
+
+    def _drain(self) -> None:
+        for dev in self._targets:
+            if dev.is_cuda:
+                context(dev.index).synchronize()
+
+    def cancel(self) -> None:
+        self.job.cancel()
+
+
+def _close_all(sources):
+    for src in sources:
+        src.close()
+
+
+def _allocate(framework, dests, device: Device) -> tuple[list, list[Buffer]]:
+    arrays, buffers = [], []
+    for d in dests:
+        arr = framework.empty(d.dtype, d.shape, device, d.name)
+        arrays.append(arr)
+        buffers.append(framework.buffer(arr))
+    return arrays, buffers
+
+
+def _selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | None = None) -> list[Selection]:
+    out = []
+    for n in names:
+        f, info = ck.names[n]
+        out.append(Selection(f, ck.headers[f].data_start, info, (indices or {}).get(n)))
+    return out
+
+
+class LoadHandle:
+    """A background load (``load_file(..., background=True)``): ``result()`` waits for all,
+    ``wait(name)`` only for one tensor, ``done()`` polls, ``cancel()`` stops it."""
+
+    def __init__(self, landing: Landing, names: list[str], arrays: list, on_close) -> None:
+        self._landing, self._names, self._arrays = landing, names, arrays
+        self._pos = {n: i for i, n in enumerate(names)}
+        self._on_close = on_close
+        self._result: dict | None = None
+        self._closed = False
+
+    def wait(self, name: str):
+        self._landing.wait_dest(self._pos[name])
+        return self._arrays[self._pos[name]]
+
+    def done(self) -> bool:
+        return self._landing.job.done()
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        if self._result is None:
+            try:
+                if timeout is not None and not self._landing.job._done.wait(timeout):
+                    raise TimeoutError("background load still running")
+                self._landing.finish()
+            finally:
+                self._close()
+            self._result = dict(zip(self._names, self._arrays))
+        return self._result
+
+    def cancel(self) -> None:
+        self._landing.cancel()
+        try:
+            self._landing.finish()
+        except BaseException:
+            pass
+        self._close()
+
+    def _close(self):
+        if not self._closed:
+            self._closed = True
+            self._on_close()
+
+
+def load_file(source, device="cpu", framework: str | None = None, names: Names = None, *,
+              background: bool = False, **options) -> dict[str, Any] | LoadHandle:
+    """Load the selected tensors of a checkpoint; returns ``{name: array}``.
+
+    ``source`` is a file, a list of files, an index.json or a directory. Unselected bytes are
+    never read. With ``background=True`` returns a ``LoadHandle`` at once.
+    """
+    s = _settings.merge(**options)
+    dev = parse_device(device)
+    check_device(dev)
+    fw = get_framework(framework, dev)
+    ck = open_checkpoint(source)
+    chosen = select(ck, names)
+    plan = plan_load(_selections(ck, chosen), s.chunk_bytes)
+    arrays, buffers = _allocate(fw, plan.destinations, dev)
+    sources = open_sources(ck, s)
+    try:
+        landing = Landing(plan, sources, buffers, s, keepalive=arrays)
+    except BaseException:
+        _close_all(sources)
+        raise
+    handle = LoadHandle(landing, chosen, arrays, lambda: _close_all(sources))
+    return handle if background else handle.result()
+
+
+def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **options) -> dict[str, str] | None:
+    """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata.
+
+    Every name, shape and dtype is checked before any byte is written; a mismatch (and, with
+    ``strict``, a missing or unexpected name) raises StoreMismatchError listing them all, with
+    the store untouched. With ``strict=False`` missing/unexpected names are skipped and reported
+    as a LoadIntoWarning.
+    """
+    s = _settings.merge(**options)
+    ck = open_checkpoint(source)
+    missing = [n for n in store.keys() if n not in ck.names]
+    unexpected = [n for n in ck.file_order() if n not in store]
+    problems = []
+    names, buffers = [], []
+    for n in ck.file_order():
+        if n not in store:
+            continue
+        arr = store[n]
+        info = ck.names[n][1]
+        fw = framework_of(arr)
+        want_shape = host_shape(info.dtype, info.shape)
+        want_dtype = expected_host_dtype(fw, info.dtype)
+        _, shape, dev = fw.describe(arr)
+        got_dtype = arr.dtype
+        if tuple(shape) != tuple(want_shape):
+            problems.append(f"{n}: shape {list(shape)} in the store, {list(info.shape)} in the file")
+        elif got_dtype != want_dtype:
+            problems.append(f"{n}: dtype {got_dtype} in the store, {info.dtype.name} ({want_dtype}) in the file")
+        else:
+            try:
+                check_device(dev)
+                buffers.append(fw.buffer(arr))
+                names.append(n)
+            except ValueError as e:
+                problems.append(f"{n}: {e}")
+    if strict:
+        problems += [f"{n}: missing from the checkpoint" for n in missing]
+        problems += [f"{n}: in the checkpoint but not in the store" for n in unexpected]
+    if problems:
+        raise StoreMismatchError(problems, missing=missing, unexpected=unexpected)
+    if missing or unexpected:
+        warnings.warn(LoadIntoWarning(missing, unexpected), stacklevel=2)
+    plan = plan_load(_selections(ck, names), s.chunk_bytes)
+    sources = open_sources(ck, s)
+    try:
+        Landing(plan, sources, buffers, s, keepalive=store).finish()
+    finally:
+        _close_all(sources)
+    return ck.metadata()
+
+
+class _Closed:
+    def __getattr__(self, _):
+        raise ValueError("operation on a closed safe_open handle")
+
+
+class SliceView:
+    """``f.get_slice(name)``: shape and dtype without reading; ``[index]`` lands only those elements."""
+
+    def __init__(self, handle: "safe_open", name: str) -> None:
+        self._h, self._name = handle, name
+        self._info = handle._ck.names[name][1]
+
+    def get_shape(self) -> list[int]:
+        return list(self._info.shape)
+
+    def get_dtype(self) -> str:
+        return self._info.dtype.name
+
+    @property
+    def shape(self):
+        return tuple(self._info.shape)
+
+    def __getitem__(self, index):
+        return self._h._load([self._name], {self._name: index})[0]
+
+
+class safe_open:
+    """Drop-in for ``safetensors.safe_open``: lazy, random access to one checkpoint.
+
+    ``with safe_open(path, framework="pt", device="cuda:0") as f: f.get_tensor(name)``.
+    Arrays returned stay valid after the handle is closed.
+    """
+
+    def __init__(self, filename, framework: str | None = None, device="cpu", **options) -> None:
+        self._s = _settings.merge(**options)
+        self._dev = parse_device(device)
+        check_device(self._dev)
+        self._fw = get_framework(framework, self._dev)
+        self._ck = open_checkpoint(filename)
+        self._sources = open_sources(self._ck, self._s)
+
+    # -- lifecycle
+    def __enter__(self) -> "safe_open":
+        self._check()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._sources is not None:
+            _close_all(self._sources)
+            self._sources = None
+
+    def _check(self):
+        if self._sources is None:
+            raise ValueError("operation on a closed safe_open handle")
+
+    # -- header
+    def keys(self) -> list[str]:
+        self._check()
+        return sorted(self._ck.names)
+
+    def offset_keys(self) -> list[str]:
+        self._check()
+        return self._ck.file_order()
+
+    def metadata(self) -> dict[str, str] | None:
+        self._check()
+        return self._ck.metadata()
+
+    def get_slice(self, name: str) -> SliceView:
+        self._check()
+        if name not in self._ck.names:
+            raise KeyError(f"no tensor named {name!r}")
+        return SliceView(self, name)
+
+    def get_tensor(self, name: str):
+        self._check()
+        if name not in self._ck.names:
+            raise KeyError(f"no tensor named {name!r}")
+        return self._load([name])[0]
+
+    def _start(self, names: list[str], indices=None):
+        self._check()
+        plan = plan_load(_selections(self._ck, names, indices), self._s.chunk_bytes)
+        arrays, buffers = _allocate(self._fw, plan.destinations, self._dev)
+        return Landing(plan, self._sources, buffers, self._s, keepalive=arrays), arrays
+
+    def _load(self, names: list[str], indices=None) -> list:
+        landing, arrays = self._start(names, indices)
+        landing.finish()
+        return arrays
+
+    def tensors(self, names: Names = None) -> Iterator[tuple[str, Any]]:
+        """Yield ``(name, array)`` as each tensor lands (file order, or the order of a list)."""
+        chosen = select(self._ck, names)
+        landing, arrays = self._start(chosen)
+        try:
+            for d, name in enumerate(chosen):
+                landing.wait_dest(d)
+                yield name, arrays[d]
+            landing.finish()
+        finally:
+            if not landing.job.done():
+                landing.cancel()
+                try:
+                    landing.finish()
+                except BaseException:
+                    pass

@@ -1,0 +1,89 @@
+"""The pipeline: a few worker threads drain one list of work items, in order, with cancellation.
+
+Loads and saves both run here. The first error cancels the rest (workers stop taking items);
+``wait`` joins every worker (bounded) and re-raises that error. ``Job`` is the one handle type
+for background work: it keeps its sources, buffers and results alive until it is done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Callable, Sequence
+
+
+class Cancelled(Exception):
+    """Raised in place of a result when a job was cancelled."""
+
+
+class Job:
+    """Runs ``work(worker, item)`` for every item on ``threads`` threads."""
+
+    def __init__(self, items: Sequence[Any], work: Callable[[int, Any], Any], threads: int,
+                 on_done: Callable[[int, Any, Any], None] | None = None, name: str = "foxhunt",
+                 keepalive: Any = None, setup: Callable[[int], Any] | None = None) -> None:
+        self.items = items
+        self._work = work
+        self._on_done = on_done
+        self._setup = setup
+        self._next = itertools.count()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self.keepalive = keepalive
+        n = max(1, min(threads, len(items))) if items else 0
+        self._alive = n
+        self._threads = [threading.Thread(target=self._run, args=(w,), name=f"{name}-{w}", daemon=True)
+                         for w in range(n)]
+        if not n:
+            self._done.set()
+
+    def start(self) -> "Job":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _run(self, worker: int) -> None:
+        try:
+            if self._setup is not None:
+                self._setup(worker)
+            while not self._cancel.is_set():
+                i = next(self._next)
+                if i >= len(self.items):
+                    break
+                result = self._work(worker, self.items[i])
+                if self._on_done is not None:
+                    self._on_done(i, self.items[i], result)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            self.fail(e)
+        finally:
+            with self._lock:
+                self._alive -= 1
+                if self._alive == 0:
+                    self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+        self._cancel.set()
+
+    def cancel(self) -> None:
+        self.fail(Cancelled("cancelled"))
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every worker has stopped; re-raise the first error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("pipeline did not finish in time")
+        for t in self._threads:
+            t.join()
+        if self._error is not None:
+            raise self._error

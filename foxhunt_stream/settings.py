@@ -1,0 +1,125 @@
+"""Settings: defaults in code, ``FOXHUNT_*`` environment overrides (validated loudly),
+per-call keyword options, and a ``with settings.override(...)`` block."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import re
+from dataclasses import dataclass, fields, replace
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """``5GB`` -> 5_000_000_000, ``500MiB`` -> 524_288_000, ints pass through."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be non-negative, got {value}")
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (examples: 1048576, 512MiB, 5GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _default_threads() -> int:
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(16, n))
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    threads: int = 0                 # reader/writer threads; 0 = one per CPU, at most 16
+    chunk_bytes: int = 16 << 20      # bytes per copy through a staging slot
+    staging_bytes: int = 512 << 20   # pinned staging per device (slots = staging / chunk)
+    backend: str = "pread"           # pread | mmap | direct
+    direct_io: str = "auto"          # auto | on | off (auto: O_DIRECT when the file is mostly not cached)
+
+    def resolved(self) -> "Settings":
+        return replace(self, threads=self.threads or _default_threads())
+
+    def validate(self) -> "Settings":
+        from .source import BACKENDS
+        if not isinstance(self.threads, int) or self.threads < 0:
+            raise ValueError(f"threads must be a non-negative int, got {self.threads!r}")
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+        if self.staging_bytes < self.chunk_bytes:
+            raise ValueError(f"staging_bytes ({self.staging_bytes}) must hold at least one chunk ({self.chunk_bytes})")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.direct_io not in ("auto", "on", "off"):
+            raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
+        return self
+
+    @property
+    def n_slots(self) -> int:
+        return max(1, self.staging_bytes // self.chunk_bytes)
+
+
+_SIZE_FIELDS = {"chunk_bytes", "staging_bytes"}
+
+
+def _coerce(name: str, value):
+    if name in _SIZE_FIELDS:
+        return parse_size(value)
+    if name == "threads":
+        if isinstance(value, str):
+            if not value.strip().isdigit():
+                raise ValueError(f"threads must be an integer, got {value!r}")
+            return int(value)
+        return value
+    if name == "direct_io" and isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
+def _from_env() -> Settings:
+    kw = {}
+    for f in fields(Settings):
+        env = "FOXHUNT_" + f.name.upper()
+        if env in os.environ:
+            try:
+                kw[f.name] = _coerce(f.name, os.environ[env])
+            except ValueError as e:
+                raise ValueError(f"environment variable {env}: {e}") from None
+    try:
+        return Settings(**kw).validate()
+    except ValueError as e:
+        raise ValueError(f"FOXHUNT_* environment: {e}") from None
+
+
+_current: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("foxhunt_settings", default=None)
+
+
+def current() -> Settings:
+    s = _current.get()
+    if s is None:
+        s = _from_env()
+        _current.set(s)
+    return s
+
+
+def merge(**options) -> Settings:
+    """Current settings with per-call options applied; unknown options are an error."""
+    known = {f.name for f in fields(Settings)}
+    unknown = set(options) - known
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; valid: {', '.join(sorted(known))}")
+    kw = {k: _coerce(k, v) for k, v in options.items() if v is not None}
+    return replace(current(), **kw).validate().resolved()
+
+
+@contextlib.contextmanager
+def override(**options):
+    """``with foxhunt_stream.settings.override(threads=4): ...`` restores the old values after."""
+    token = _current.set(replace(current(), **{k: _coerce(k, v) for k, v in options.items()}).validate())
+    try:
+        yield current()
+    finally:
+        _current.reset(token)

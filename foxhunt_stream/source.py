@@ -1,0 +1,246 @@
+"""Sources: read byte ranges of a file into host memory.
+
+Three backends behind one small interface:
+
+* ``pread``  - ``os.preadv`` (the default; releases the GIL, and a truncated file is a short read,
+  never a SIGBUS);
+* ``mmap``   - a numpy copy out of a shared mapping (size re-checked before every read);
+* ``direct`` - ``O_DIRECT`` reads of page-aligned spans into aligned buffers, bypassing the page
+  cache (for cold files); the bytes wanted are a view into the over-read span.
+
+Every source counts the bytes it read (``bytes_read``), which tests use to prove that
+unselected bytes are never read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+from typing import Callable
+
+import numpy as np
+
+from .errors import FormatError
+
+ALIGN = 4096
+BACKENDS = ("pread", "mmap", "direct")
+
+# Test-only fault injection: when set, called as hook(source, offset, length) before each read.
+# It may raise (EIO...) or return a byte count to cut the read short. None costs one comparison.
+fault_hook: Callable[["FileSource", int, int], int | None] | None = None
+
+
+class FileSource:
+    """An open file, read with positional reads. Thread-safe: reads share no file position."""
+
+    backend = "pread"
+    direct_reads = True   # can read straight into any host buffer (no alignment constraints)
+
+    def __init__(self, path: str | os.PathLike, expected_size: int | None = None) -> None:
+        self.path = os.fspath(path)
+        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.expected_size = expected_size
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def _short(self, offset: int, got: int, want: int) -> FormatError:
+        return FormatError("file-truncated",
+                           f"read of {want} bytes at offset {offset} returned only {got}: the file is shorter "
+                           "than its header says (truncated or changed while loading?)", path=self.path)
+
+    def read_into(self, out: np.ndarray, offset: int) -> None:
+        """Fill ``out`` (a contiguous uint8 array) with the bytes at ``offset``."""
+        want = out.nbytes
+        limit = want
+        if fault_hook is not None:
+            r = fault_hook(self, offset, want)
+            if r is not None:
+                limit = r
+        mv = memoryview(out).cast("B")
+        got = 0
+        while got < want:
+            if got >= limit:
+                raise self._short(offset, got, want)
+            try:
+                n = os.preadv(self.fd, [mv[got:limit]], offset + got)
+            except OSError as e:
+                raise OSError(e.errno, f"{self.path}: read of {want} bytes at offset {offset} failed: "
+                                       f"{e.strerror}") from e
+            if n == 0:
+                raise self._short(offset, got, want)
+            got += n
+        self._count(want)
+
+    def read_span(self, offset: int, length: int, scratch: np.ndarray) -> np.ndarray:
+        """The bytes ``[offset, offset+length)`` as a view, read into ``scratch`` if needed."""
+        view = scratch[:length]
+        self.read_into(view, offset)
+        return view
+
+    def scratch_bytes(self, length: int) -> int:
+        """Scratch needed by read_span for ``length`` bytes."""
+        return length
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class MmapSource(FileSource):
+    """Copies out of a shared read-only mapping; re-checks the size first to avoid SIGBUS."""
+
+    backend = "mmap"
+
+    def __init__(self, path, expected_size=None):
+        super().__init__(path, expected_size)
+        size = self.size()
+        self._map = mmap.mmap(self.fd, size, prot=mmap.PROT_READ) if size else None
+        self._array = np.frombuffer(self._map, np.uint8) if size else np.empty(0, np.uint8)
+
+    def read_into(self, out: np.ndarray, offset: int) -> None:
+        want = out.nbytes
+        limit = want
+        if fault_hook is not None:
+            r = fault_hook(self, offset, want)
+            if r is not None:
+                limit = r
+        if offset + want > min(self.size(), self._array.size) or limit < want:
+            raise self._short(offset, max(0, min(limit, self.size() - offset)), want)
+        np.copyto(out.reshape(-1), self._array[offset:offset + want])
+        self._count(want)
+
+    def close(self):
+        self._array = None
+        if getattr(self, "_map", None) is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive somewhere; the GC will unmap
+                pass
+            self._map = None
+        super().close()
+
+
+class DirectSource(FileSource):
+    """O_DIRECT reads: page-aligned offset, length and buffer; bypasses the page cache."""
+
+    backend = "direct"
+    direct_reads = False
+
+    def __init__(self, path, expected_size=None):
+        super().__init__(path, expected_size)
+        self._dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+
+    def scratch_bytes(self, length: int) -> int:
+        return length + 2 * ALIGN
+
+    def read_span(self, offset: int, length: int, scratch: np.ndarray) -> np.ndarray:
+        lo = offset - offset % ALIGN
+        hi = -(-(offset + length) // ALIGN) * ALIGN
+        addr = scratch.ctypes.data
+        pad = (-addr) % ALIGN
+        buf = scratch[pad:pad + (hi - lo)]
+        if buf.nbytes < hi - lo:
+            raise ValueError("scratch buffer too small for an aligned direct read")
+        limit = hi - lo
+        if fault_hook is not None:
+            r = fault_hook(self, offset, length)
+            if r is not None:
+                limit = min(limit, r + (offset - lo))
+        mv = memoryview(buf).cast("B")
+        got = 0
+        need = offset + length - lo
+        while got < need:
+            if got >= limit:
+                raise self._short(offset, max(0, got - (offset - lo)), length)
+            try:
+                n = os.preadv(self._dfd, [mv[got:limit]], lo + got)
+            except OSError as e:
+                raise OSError(e.errno, f"{self.path}: direct read at offset {lo} failed: {e.strerror}") from e
+            if n == 0:
+                raise self._short(offset, max(0, got - (offset - lo)), length)
+            got += n
+            if n % ALIGN:
+                break   # end of file reached inside the last page
+        if got < need:
+            raise self._short(offset, max(0, got - (offset - lo)), length)
+        self._count(length)
+        return buf[offset - lo:offset - lo + length]
+
+    def read_into(self, out, offset):
+        scratch = np.empty(self.scratch_bytes(out.nbytes), np.uint8)
+        np.copyto(out.reshape(-1), self.read_span(offset, out.nbytes, scratch))
+
+    def close(self):
+        if getattr(self, "_dfd", -1) >= 0:
+            os.close(self._dfd)
+            self._dfd = -1
+        super().close()
+
+
+def open_source(path, backend: str = "pread", expected_size: int | None = None) -> FileSource:
+    if backend == "pread":
+        return FileSource(path, expected_size)
+    if backend == "mmap":
+        return MmapSource(path, expected_size)
+    if backend == "direct":
+        try:
+            return DirectSource(path, expected_size)
+        except OSError:  # filesystem without O_DIRECT (tmpfs): buffered reads are all it has
+            return FileSource(path, expected_size)
+    raise ValueError(f"unknown I/O backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+# ---------------------------------------------------------------- page-cache residency
+
+_libc = None
+
+
+def resident_fraction(path: str | os.PathLike, samples: int = 4096) -> float:
+    """Fraction of the file's pages in the page cache (mincore on a sampled mapping)."""
+    global _libc
+    size = os.path.getsize(path)
+    if size == 0:
+        return 1.0
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.mmap.restype = ctypes.c_void_p
+            _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_int, ctypes.c_long]
+            _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+        try:
+            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return 1.0
+            try:
+                pages = -(-size // mmap.PAGESIZE)
+                vec = (ctypes.c_ubyte * pages)()
+                if _libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                    return 1.0
+                arr = np.frombuffer(vec, np.uint8)
+                step = max(1, pages // samples)
+                return float((arr[::step] & 1).mean())
+            finally:
+                _libc.munmap(ctypes.c_void_p(addr), size)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        return 1.0

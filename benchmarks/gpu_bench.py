@@ -292,8 +292,8 @@ def bench_hot_loads(paths, total, directory, sweep):
     if sweep:
         best = (0, None)
         for backend in ("pread", "mmap"):
-            for threads in (8, 16):
-                for chunk in (8, 16, 32, 64):
+            for threads in (12, 16):
+                for chunk in (4, 8, 16, 32):
                     opts = dict(backend=backend, threads=threads, chunk_bytes=chunk << 20,
                                 staging_bytes=max(512, 2 * threads * chunk) << 20, direct_io="off")
                     out, ts = timed_load(src, "pt", reps=2, **opts)

@@ -57,14 +57,21 @@ class FileSource:
                            f"read of {want} bytes at offset {offset} returned only {got}: the file is shorter "
                            "than its header says (truncated or changed while loading?)", path=self.path)
 
+    def _fault(self, offset: int, want: int) -> int:
+        """Run the test-only fault hook: it may raise (errors are named like real ones) or cut the read."""
+        try:
+            r = fault_hook(self, offset, want)
+        except OSError as e:
+            raise OSError(e.errno, f"{self.path}: read of {want} bytes at offset {offset} failed: "
+                                   f"{e.strerror}") from e
+        return want if r is None else r
+
     def read_into(self, out: np.ndarray, offset: int) -> None:
         """Fill ``out`` (a contiguous uint8 array) with the bytes at ``offset``."""
         want = out.nbytes
         limit = want
         if fault_hook is not None:
-            r = fault_hook(self, offset, want)
-            if r is not None:
-                limit = r
+            limit = self._fault(offset, want)
         mv = memoryview(out).cast("B")
         got = 0
         while got < want:
@@ -115,11 +122,7 @@ class MmapSource(FileSource):
 
     def read_into(self, out: np.ndarray, offset: int) -> None:
         want = out.nbytes
-        limit = want
-        if fault_hook is not None:
-            r = fault_hook(self, offset, want)
-            if r is not None:
-                limit = r
+        limit = self._fault(offset, want) if fault_hook is not None else want
         if offset + want > min(self.size(), self._array.size) or limit < want:
             raise self._short(offset, max(0, min(limit, self.size() - offset)), want)
         np.copyto(out.reshape(-1), self._array[offset:offset + want])
@@ -159,9 +162,7 @@ class DirectSource(FileSource):
             raise ValueError("scratch buffer too small for an aligned direct read")
         limit = hi - lo
         if fault_hook is not None:
-            r = fault_hook(self, offset, length)
-            if r is not None:
-                limit = min(limit, r + (offset - lo))
+            limit = min(limit, self._fault(offset, length) + (offset - lo))
         mv = memoryview(buf).cast("B")
         got = 0
         need = offset + length - lo

@@ -290,6 +290,8 @@ class SliceView:
         return tuple(self._info.shape)
 
     def __getitem__(self, index):
+        if index is None:   # numpy's newaxis, not "no index" (which the planner reads as the whole tensor)
+            index = (None,)
         return self._h._load([self._name], {self._name: index})[0]
 
 

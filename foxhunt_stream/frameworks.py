@@ -29,6 +29,8 @@ class Buffer:
 def _host_bytes(arr: np.ndarray) -> np.ndarray:
     if not arr.flags.c_contiguous:
         raise ValueError("destination array must be C-contiguous")
+    if not arr.flags.writeable:   # found here, before any byte lands, not as a BufferError midway
+        raise ValueError("destination array is read-only")
     return arr.reshape(-1).view(np.uint8)
 
 

@@ -73,8 +73,10 @@ class Landing:
         self._targets: dict[Device, Any] = {}
         for b in buffers:
             if b.device not in self._targets:
+                # a host worker holds one scratch slot at a time: more than `threads` is waste (and
+                # staging/chunk of them, e.g. 131072 with 4 KiB chunks, took seconds to allocate)
                 self._targets[b.device] = (CudaTarget(b.device.index, s.chunk_bytes, s.n_slots) if b.device.is_cuda
-                                           else HostTarget(s.chunk_bytes, s.n_slots))
+                                           else HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)))
         self.started = time.perf_counter()
         self.job = Job(plan.chunks, self._work, s.threads, self._on_done, keepalive=keepalive)
         log.debug("load: %d tensors, %d bytes, %d chunks, %d threads, chunk %d, staging %d, backends %s",
@@ -168,9 +170,10 @@ class LoadHandle:
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         if self._result is None:
+            # A timeout leaves the load running, so its files must stay open: only close once finished.
+            if timeout is not None and not self._landing.job._done.wait(timeout):
+                raise TimeoutError("background load still running")
             try:
-                if timeout is not None and not self._landing.job._done.wait(timeout):
-                    raise TimeoutError("background load still running")
                 self._landing.finish()
             finally:
                 self._close()
@@ -216,13 +219,13 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     return handle if background else handle.result()
 
 
-def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **options) -> dict[str, str] | None:
+def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **options) -> dict[str, str]:
     """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata.
 
     Every name, shape and dtype is checked before any byte is written; a mismatch (and, with
     ``strict``, a missing or unexpected name) raises StoreMismatchError listing them all, with
     the store untouched. With ``strict=False`` missing/unexpected names are skipped and reported
-    as a LoadIntoWarning.
+    as a LoadIntoWarning. A file without metadata gives ``{}`` (the seed's contract: a map).
     """
     s = _settings.merge(**options)
     ck = open_checkpoint(source)
@@ -264,7 +267,7 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **op
         Landing(plan, sources, buffers, s, keepalive=store).finish()
     finally:
         _close_all(sources)
-    return ck.metadata()
+    return ck.metadata() or {}
 
 
 class _Closed:

@@ -85,8 +85,18 @@ class Job:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every worker has stopped; re-raise the first error."""
-        if not self._done.wait(timeout):
+        """Block until every worker has stopped; re-raise the first error.
+
+        If the waiter itself is interrupted (KeyboardInterrupt, an exception from a signal
+        handler), the workers are cancelled and joined before that propagates: callers close
+        files and free buffers on the way out, and no worker may still be using them."""
+        try:
+            finished = self._done.wait(timeout)
+        except BaseException:
+            self.cancel()
+            self._done.wait()
+            raise
+        if not finished:
             raise TimeoutError("pipeline did not finish in time")
         for t in self._threads:
             t.join()

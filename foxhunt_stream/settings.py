@@ -45,7 +45,7 @@ class Settings:
 
     def validate(self) -> "Settings":
         from .source import BACKENDS
-        if not isinstance(self.threads, int) or self.threads < 0:
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
             raise ValueError(f"threads must be a non-negative int, got {self.threads!r}")
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
@@ -105,20 +105,27 @@ def current() -> Settings:
     return s
 
 
-def merge(**options) -> Settings:
-    """Current settings with per-call options applied; unknown options are an error."""
+def _apply(options: dict) -> Settings:
+    """Current settings with ``options`` applied (None = keep); unknown names are a TypeError."""
     known = {f.name for f in fields(Settings)}
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; valid: {', '.join(sorted(known))}")
     kw = {k: _coerce(k, v) for k, v in options.items() if v is not None}
-    return replace(current(), **kw).validate().resolved()
+    return replace(current(), **kw).validate()
+
+
+def merge(**options) -> Settings:
+    """Current settings with per-call options applied; unknown options are an error."""
+    return _apply(options).resolved()
 
 
 @contextlib.contextmanager
 def override(**options):
-    """``with foxhunt_stream.settings.override(threads=4): ...`` restores the old values after."""
-    token = _current.set(replace(current(), **{k: _coerce(k, v) for k, v in options.items()}).validate())
+    """``with foxhunt_stream.settings.override(threads=4): ...`` restores the old values after.
+
+    Checked like per-call options (an unknown name is a TypeError listing the valid ones)."""
+    token = _current.set(_apply(options))
     try:
         yield current()
     finally:

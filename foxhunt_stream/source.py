@@ -31,6 +31,16 @@ BACKENDS = ("pread", "mmap", "direct")
 # It may raise (EIO...) or return a byte count to cut the read short. None costs one comparison.
 fault_hook: Callable[["FileSource", int, int], int | None] | None = None
 
+# Bytes read by every source of this process. load_file's sources are private and closed when it
+# returns, so tests and benchmarks diff this around a load to see what it read (and did not).
+_total_lock = threading.Lock()
+_total_read = 0
+
+
+def total_bytes_read() -> int:
+    """Tensor bytes read by all sources of this process so far (headers are not counted)."""
+    return _total_read
+
 
 class FileSource:
     """An open file, read with positional reads. Thread-safe: reads share no file position."""
@@ -46,8 +56,11 @@ class FileSource:
         self.bytes_read = 0
 
     def _count(self, n: int) -> None:
+        global _total_read
         with self._lock:
             self.bytes_read += n
+        with _total_lock:
+            _total_read += n
 
     def size(self) -> int:
         return os.fstat(self.fd).st_size

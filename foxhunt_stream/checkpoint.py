@@ -95,7 +95,12 @@ def resolve(source) -> Resolved:
     if isinstance(source, (list, tuple)):
         if not source:
             raise ValueError("empty list of checkpoint files")
-        return Resolved([os.fspath(p) for p in source], None, None)
+        paths = [os.fspath(p) for p in source]
+        real = [os.path.realpath(p) for p in paths]
+        twice = [p for i, p in enumerate(paths) if real[i] in real[:i]]
+        if twice:
+            raise ValueError(f"the list of checkpoint files names {twice[0]} more than once")
+        return Resolved(paths, None, None)
     path = os.fspath(source)
     if os.path.isdir(path):
         index = os.path.join(path, INDEX_NAME)

@@ -96,6 +96,8 @@ def shard_index(shape: Sequence[int], shard: Shard, name: str = "") -> Index | N
     ``(slice(None),) * d + (slice(a, b),)``: everything before ``d`` whole, dims after it
     implied whole, so the planner sees exactly what ``x[:, a:b]`` would give it.
     """
+    if not isinstance(shard, Shard):
+        raise TypeError(f"shard must be a foxhunt_stream.Shard, got {type(shard).__name__}")
     d = shard.dim_for(name)
     if d is None:
         return None
@@ -122,6 +124,4 @@ def indices_for(ck: "Checkpoint", names: Iterable[str], shard: Shard | None) -> 
     """``{name: index}`` for a load's selections (None when not sharding)."""
     if shard is None:
         return None
-    if not isinstance(shard, Shard):
-        raise TypeError(f"shard must be a foxhunt_stream.Shard, got {type(shard).__name__}")
     return {n: shard_index(ck.names[n][1].shape, shard, n) for n in names}

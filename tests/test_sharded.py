@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy as stn
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 import foxhunt_stream as fs
 from foxhunt_stream import source as fsource
@@ -437,6 +438,8 @@ def test_shard_errors_name_the_tensor(ckpt):
         fs.load_file(d, shard=fs.Shard(0, 2, {"*.weight": 0, "layers.*": 0, "empty": 0}))
     with pytest.raises(TypeError, match="foxhunt_stream.Shard"):
         fs.load_file(d, shard=(0, 2))
+    with pytest.raises(TypeError, match="foxhunt_stream.Shard"):
+        fs.load_into({n: np.zeros_like(v) for n, v in t.items()}, d, shard=(0, 2))
 
 
 # ---------------------------------------------------------------- bytes read
@@ -494,3 +497,65 @@ def test_plan_for_a_column_shard_is_2d_runs(ckpt):
     plan = plan_load(_selections(ck, names, indices_for(ck, names, fs.Shard(1, 2, 1))), 1 << 20)
     (c,) = plan.chunks
     assert (c.run.width, c.run.height, c.run.pitch) == (3 * 4, 10, 7 * 4)
+
+
+def test_mapped_source_copies_only_the_selected_columns(tmp_path):
+    x = np.arange(40 * 250, dtype=np.float32).reshape(40, 250)
+    d, path = _one_tensor_ckpt(tmp_path, x)
+    with fs.safe_open(path, backend="mmap", direct_io="off", chunk_bytes=8192) as f:
+        got = f.get_slice("w")[:, 63:126]
+        (src,) = f._sources
+        assert src.backend == "mmap"
+        assert src.bytes_read == got.nbytes       # strided copy out of the mapping, gaps untouched
+    np.testing.assert_array_equal(got, x[:, 63:126])
+    with fs.safe_open(path, backend="pread", direct_io="off", chunk_bytes=8192) as f:
+        f.get_slice("w")[:, 63:126]
+        assert f._sources[0].bytes_read > 2 * got.nbytes   # positional reads copy whole row spans
+
+
+def test_mapped_gather_reports_a_truncated_file(tmp_path, monkeypatch):
+    x = np.arange(40 * 250, dtype=np.float32).reshape(40, 250)
+    d, path = _one_tensor_ckpt(tmp_path, x)
+    monkeypatch.setattr(fsource, "fault_hook", lambda src, off, n: n - 1)
+    with pytest.raises(fs.FormatError, match="file-truncated"):
+        fs.load_file(path, names=["w"], shard=fs.Shard(1, 4, 1), backend="mmap", direct_io="off")
+
+
+@st.composite
+def basic_index(draw, shape):
+    items = []
+    for n in shape:
+        kind = draw(st.sampled_from(["int", "slice", "full"]))
+        if kind == "int" and n:
+            items.append(draw(st.integers(-n, n - 1)))
+        elif kind == "slice":
+            items.append(slice(draw(st.none() | st.integers(-n - 2, n + 2)), draw(st.none() | st.integers(-n - 2, n + 2)),
+                               draw(st.none() | st.integers(1, 3))))
+        else:
+            items.append(slice(None))
+    cut = draw(st.integers(0, len(items)))
+    items = items[:cut]
+    if draw(st.booleans()) and len(items) < len(shape):
+        items = [Ellipsis, *items[len(items) // 2:]] if draw(st.booleans()) else [*items, Ellipsis]
+    return tuple(items)
+
+
+@hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_get_slice_basic_indices_match_numpy_across_shards_and_backends(ckpt, data):
+    d, t = ckpt
+    name = data.draw(st.sampled_from(["layers.0.mlp.w", "layers.0.o_proj.weight", "lm_head.weight",
+                                      "layers.0.norm"]))
+    index = data.draw(basic_index(t[name].shape))
+    backend = data.draw(st.sampled_from(["pread", "mmap"]))
+    with fs.safe_open(d, backend=backend, direct_io="off", chunk_bytes=4096, threads=2) as f:
+        got = f.get_slice(name)[index]
+    np.testing.assert_array_equal(got, t[name][index])
+    assert got.shape == t[name][index].shape
+
+
+def test_a_list_naming_one_file_twice_is_refused(ckpt):
+    d, t = ckpt
+    p = os.path.join(d, "model-00001-of-00003.safetensors")
+    with pytest.raises(ValueError, match="more than once"):
+        fs.load_file([p, os.path.join(d, ".", "model-00001-of-00003.safetensors")])

@@ -20,6 +20,7 @@ from .errors import StoreMismatchError
 from .frameworks import Buffer, expected_host_dtype, framework_of, get_framework
 from .pipeline import Job
 from .plan import LoadPlan, Selection, plan_load
+from .shard import Shard, indices_for, shard_shape
 from .source import FileSource, open_source, resident_fraction
 from .target import CudaTarget, HostTarget
 
@@ -195,11 +196,12 @@ class LoadHandle:
 
 
 def load_file(source, device="cpu", framework: str | None = None, names: Names = None, *,
-              background: bool = False, **options) -> dict[str, Any] | LoadHandle:
+              background: bool = False, shard: Shard | None = None, **options) -> dict[str, Any] | LoadHandle:
     """Load the selected tensors of a checkpoint; returns ``{name: array}``.
 
     ``source`` is a file, a list of files, an index.json or a directory. Unselected bytes are
-    never read. With ``background=True`` returns a ``LoadHandle`` at once.
+    never read. With ``background=True`` returns a ``LoadHandle`` at once. With
+    ``shard=Shard(rank, world_size, dim)`` each array is this rank's slice of the tensor.
     """
     s = _settings.merge(**options)
     dev = parse_device(device)
@@ -207,7 +209,7 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     fw = get_framework(framework, dev)
     ck = open_checkpoint(source)
     chosen = select(ck, names)
-    plan = plan_load(_selections(ck, chosen), s.chunk_bytes)
+    plan = plan_load(_selections(ck, chosen, indices_for(ck, chosen, shard)), s.chunk_bytes)
     arrays, buffers = _allocate(fw, plan.destinations, dev)
     sources = open_sources(ck, s)
     try:
@@ -219,8 +221,12 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     return handle if background else handle.result()
 
 
-def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **options) -> dict[str, str]:
+def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, shard: Shard | None = None,
+              **options) -> dict[str, str]:
     """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata.
+
+    With ``shard=Shard(rank, world_size, dim)`` the store holds this rank's slices (their
+    shapes are checked against the slices, not the whole tensors).
 
     Every name, shape and dtype is checked before any byte is written; a mismatch (and, with
     ``strict``, a missing or unexpected name) raises StoreMismatchError listing them all, with
@@ -229,6 +235,7 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **op
     """
     s = _settings.merge(**options)
     ck = open_checkpoint(source)
+    metadata = ck.metadata()   # a conflict is an error before any byte lands
     missing = [n for n in store.keys() if n not in ck.names]
     unexpected = [n for n in ck.file_order() if n not in store]
     problems = []
@@ -239,12 +246,14 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **op
         arr = store[n]
         info = ck.names[n][1]
         fw = framework_of(arr)
-        want_shape = host_shape(info.dtype, info.shape)
+        file_shape = info.shape if shard is None else shard_shape(info.shape, shard, n)
+        want_shape = host_shape(info.dtype, file_shape)
         want_dtype = expected_host_dtype(fw, info.dtype)
         _, shape, dev = fw.describe(arr)
         got_dtype = arr.dtype
         if tuple(shape) != tuple(want_shape):
-            problems.append(f"{n}: shape {list(shape)} in the store, {list(info.shape)} in the file")
+            problems.append(f"{n}: shape {list(shape)} in the store, {list(file_shape)} in the file"
+                            + ("" if shard is None else f" (rank {shard.rank} of {shard.world_size})"))
         elif got_dtype != want_dtype:
             problems.append(f"{n}: dtype {got_dtype} in the store, {info.dtype.name} ({want_dtype}) in the file")
         else:
@@ -261,13 +270,13 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **op
         raise StoreMismatchError(problems, missing=missing, unexpected=unexpected)
     if missing or unexpected:
         warnings.warn(LoadIntoWarning(missing, unexpected), stacklevel=2)
-    plan = plan_load(_selections(ck, names), s.chunk_bytes)
+    plan = plan_load(_selections(ck, names, indices_for(ck, names, shard)), s.chunk_bytes)
     sources = open_sources(ck, s)
     try:
         Landing(plan, sources, buffers, s, keepalive=store).finish()
     finally:
         _close_all(sources)
-    return ck.metadata() or {}
+    return metadata or {}
 
 
 class _Closed:
@@ -366,10 +375,11 @@ class safe_open:
         landing.finish()
         return arrays
 
-    def tensors(self, names: Names = None) -> Iterator[tuple[str, Any]]:
-        """Yield ``(name, array)`` as each tensor lands (file order, or the order of a list)."""
+    def tensors(self, names: Names = None, *, shard: Shard | None = None) -> Iterator[tuple[str, Any]]:
+        """Yield ``(name, array)`` as each tensor lands (file order, or the order of a list);
+        with ``shard``, each array is this rank's slice."""
         chosen = select(self._ck, names)
-        landing, arrays = self._start(chosen)
+        landing, arrays = self._start(chosen, indices_for(self._ck, chosen, shard))
         try:
             for d, name in enumerate(chosen):
                 landing.wait_dest(d)

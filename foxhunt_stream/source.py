@@ -18,11 +18,14 @@ import ctypes
 import mmap
 import os
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from .errors import FormatError
+
+if TYPE_CHECKING:
+    from .plan import Run
 
 ALIGN = 4096
 BACKENDS = ("pread", "mmap", "direct")
@@ -110,6 +113,14 @@ class FileSource:
         """Scratch needed by read_span for ``length`` bytes."""
         return length
 
+    def gather(self, run: "Run", out: np.ndarray) -> bool:
+        """Pack the rows of a 2-D run into ``out[:run.nbytes]`` touching only their bytes, if this
+        source can (a mapped file); False means read the span with ``read_span`` instead.
+
+        Positional reads cannot skip the gaps between rows, so pread and O_DIRECT say False.
+        """
+        return False
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
@@ -140,6 +151,23 @@ class MmapSource(FileSource):
             raise self._short(offset, max(0, min(limit, self.size() - offset)), want)
         np.copyto(out.reshape(-1), self._array[offset:offset + want])
         self._count(want)
+
+    def gather(self, run: "Run", out: np.ndarray) -> bool:
+        """One strided copy out of the mapping: a column slice ``x[:, a:b]`` touches only its
+        columns' bytes instead of copying every row whole into scratch (``bytes_read`` counts the
+        bytes copied; the fault hook sees the run's whole span, which must exist)."""
+        limit = run.span
+        if fault_hook is not None:
+            r = fault_hook(self, run.src, run.span)
+            if r is not None:
+                limit = r
+        if run.src + run.span > min(self.size(), self._array.size) or limit < run.span:
+            raise self._short(run.src, max(0, min(limit, self.size() - run.src)), run.span)
+        rows = np.lib.stride_tricks.as_strided(self._array[run.src:], (run.height, run.width), (run.pitch, 1),
+                                               writeable=False)
+        out[:run.nbytes].reshape(run.height, run.width)[...] = rows
+        self._count(run.nbytes)
+        return True
 
     def close(self):
         self._array = None

@@ -9,7 +9,7 @@ import safetensors.numpy as stn
 
 import foxhunt_stream as fs
 from foxhunt_stream import device as fdev
-from tests.gpu_util import ALL_DTYPE_SPECS, require_gpu, write_random_file
+from gpu_util import ALL_DTYPE_SPECS, require_gpu, write_random_file
 
 pytestmark = pytest.mark.gpu
 

@@ -56,13 +56,66 @@ def open_sources(ck: Checkpoint, s: _settings.Settings) -> list[FileSource]:
     return out
 
 
+class Destinations:
+    """Where each destination of a plan lands.
+
+    ``Destinations.allocate`` makes new arrays lazily, in the worker that reaches a destination's
+    first chunk: device allocation (cudaMalloc behind the framework's allocator) overlaps the
+    reads instead of preceding them all, and the first tensor is not held up by the last one's
+    allocation. ``Destinations.fixed`` wraps existing buffers (load_into).
+    """
+
+    def __init__(self, n: int, devices: set[Device], make=None, buffers: list[Buffer] | None = None,
+                 arrays: list | None = None) -> None:
+        self.devices = devices
+        self._make = make
+        self.buffers: list[Buffer | None] = buffers if buffers is not None else [None] * n
+        self.arrays: list = arrays if arrays is not None else [None] * n
+        self._locks = [threading.Lock() for _ in range(n)] if make is not None else []
+
+    @classmethod
+    def allocate(cls, framework, plan: LoadPlan, device: Device) -> "Destinations":
+        def make(d: int):
+            dest = plan.destinations[d]
+            arr = framework.empty(dest.dtype, dest.shape, device, dest.name)
+            return arr, framework.buffer(arr)
+        return cls(len(plan.destinations), {device}, make)
+
+    @classmethod
+    def fixed(cls, buffers: list[Buffer], arrays: list) -> "Destinations":
+        return cls(len(buffers), {b.device for b in buffers}, buffers=buffers, arrays=arrays)
+
+    def buffer(self, d: int) -> Buffer:
+        b = self.buffers[d]
+        if b is None:
+            with self._locks[d]:
+                b = self.buffers[d]
+                if b is None:
+                    arr, b = self._make(d)
+                    self.arrays[d] = arr
+                    self.buffers[d] = b
+        return b
+
+    def array(self, d: int):
+        self.buffer(d)   # zero-byte destinations have no chunk: allocate them here
+        return self.arrays[d]
+
+    def all_arrays(self) -> list:
+        return [self.array(d) for d in range(len(self.arrays))]
+
+    def release(self) -> None:
+        """Drop every array (after a failure: nothing partial is kept alive)."""
+        self.arrays = [None] * len(self.arrays)
+        self.buffers = [None] * len(self.buffers)
+
+
 class Landing:
     """A load plan in flight: per-destination readiness, cancellation, one wait for all."""
 
-    def __init__(self, plan: LoadPlan, sources: list[FileSource], buffers: list[Buffer],
+    def __init__(self, plan: LoadPlan, sources: list[FileSource], dests: Destinations,
                  s: _settings.Settings, keepalive: Any = None) -> None:
         self.plan = plan
-        self.buffers = buffers
+        self.dests = dests
         self.sources = sources
         self._lock = threading.Lock()
         self._remaining = list(plan.chunks_per_dest)
@@ -71,13 +124,12 @@ class Landing:
         for d, n in enumerate(self._remaining):
             if n == 0:
                 self._ready[d].set()
-        self._targets: dict[Device, Any] = {}
-        for b in buffers:
-            if b.device not in self._targets:
-                # a host worker holds one scratch slot at a time: more than `threads` is waste (and
-                # staging/chunk of them, e.g. 131072 with 4 KiB chunks, took seconds to allocate)
-                self._targets[b.device] = (CudaTarget(b.device.index, s.chunk_bytes, s.n_slots) if b.device.is_cuda
-                                           else HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)))
+        # a host worker holds one scratch slot at a time: more than `threads` is waste (and
+        # staging/chunk of them, e.g. 131072 with 4 KiB chunks, took seconds to allocate)
+        self._targets: dict[Device, Any] = {
+            dev: (CudaTarget(dev.index, s.chunk_bytes, s.n_slots) if dev.is_cuda
+                  else HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)))
+            for dev in dests.devices}
         self.started = time.perf_counter()
         self.job = Job(plan.chunks, self._work, s.threads, self._on_done, keepalive=keepalive)
         log.debug("load: %d tensors, %d bytes, %d chunks, %d threads, chunk %d, staging %d, backends %s",
@@ -86,7 +138,7 @@ class Landing:
         self.job.start()
 
     def _work(self, worker: int, chunk):
-        buf = self.buffers[chunk.dest]
+        buf = self.dests.buffer(chunk.dest)
         return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf)
 
     def _on_done(self, i: int, chunk, event) -> None:
@@ -114,6 +166,7 @@ class Landing:
             self.job.wait()
         except BaseException:
             self._drain()
+            self.dests.release()
             raise
         self._drain()
         elapsed = time.perf_counter() - self.started
@@ -134,15 +187,6 @@ def _close_all(sources):
         src.close()
 
 
-def _allocate(framework, dests, device: Device) -> tuple[list, list[Buffer]]:
-    arrays, buffers = [], []
-    for d in dests:
-        arr = framework.empty(d.dtype, d.shape, device, d.name)
-        arrays.append(arr)
-        buffers.append(framework.buffer(arr))
-    return arrays, buffers
-
-
 def _selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | None = None) -> list[Selection]:
     out = []
     for n in names:
@@ -155,8 +199,8 @@ class LoadHandle:
     """A background load (``load_file(..., background=True)``): ``result()`` waits for all,
     ``wait(name)`` only for one tensor, ``done()`` polls, ``cancel()`` stops it."""
 
-    def __init__(self, landing: Landing, names: list[str], arrays: list, on_close) -> None:
-        self._landing, self._names, self._arrays = landing, names, arrays
+    def __init__(self, landing: Landing, names: list[str], on_close) -> None:
+        self._landing, self._names = landing, names
         self._pos = {n: i for i, n in enumerate(names)}
         self._on_close = on_close
         self._result: dict | None = None
@@ -164,7 +208,7 @@ class LoadHandle:
 
     def wait(self, name: str):
         self._landing.wait_dest(self._pos[name])
-        return self._arrays[self._pos[name]]
+        return self._landing.dests.array(self._pos[name])
 
     def done(self) -> bool:
         return self._landing.job.done()
@@ -178,7 +222,7 @@ class LoadHandle:
                 self._landing.finish()
             finally:
                 self._close()
-            self._result = dict(zip(self._names, self._arrays))
+            self._result = dict(zip(self._names, self._landing.dests.all_arrays()))
         return self._result
 
     def cancel(self) -> None:
@@ -210,14 +254,13 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     ck = open_checkpoint(source)
     chosen = select(ck, names)
     plan = plan_load(_selections(ck, chosen, indices_for(ck, chosen, shard)), s.chunk_bytes)
-    arrays, buffers = _allocate(fw, plan.destinations, dev)
     sources = open_sources(ck, s)
     try:
-        landing = Landing(plan, sources, buffers, s, keepalive=arrays)
+        landing = Landing(plan, sources, Destinations.allocate(fw, plan, dev), s)
     except BaseException:
         _close_all(sources)
         raise
-    handle = LoadHandle(landing, chosen, arrays, lambda: _close_all(sources))
+    handle = LoadHandle(landing, chosen, lambda: _close_all(sources))
     return handle if background else handle.result()
 
 
@@ -273,7 +316,7 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
     plan = plan_load(_selections(ck, names, indices_for(ck, names, shard)), s.chunk_bytes)
     sources = open_sources(ck, s)
     try:
-        Landing(plan, sources, buffers, s, keepalive=store).finish()
+        Landing(plan, sources, Destinations.fixed(buffers, [store[n] for n in names]), s).finish()
     finally:
         _close_all(sources)
     return metadata or {}
@@ -367,23 +410,22 @@ class safe_open:
     def _start(self, names: list[str], indices=None):
         self._check()
         plan = plan_load(_selections(self._ck, names, indices), self._s.chunk_bytes)
-        arrays, buffers = _allocate(self._fw, plan.destinations, self._dev)
-        return Landing(plan, self._sources, buffers, self._s, keepalive=arrays), arrays
+        return Landing(plan, self._sources, Destinations.allocate(self._fw, plan, self._dev), self._s)
 
     def _load(self, names: list[str], indices=None) -> list:
-        landing, arrays = self._start(names, indices)
+        landing = self._start(names, indices)
         landing.finish()
-        return arrays
+        return landing.dests.all_arrays()
 
     def tensors(self, names: Names = None, *, shard: Shard | None = None) -> Iterator[tuple[str, Any]]:
         """Yield ``(name, array)`` as each tensor lands (file order, or the order of a list);
         with ``shard``, each array is this rank's slice."""
         chosen = select(self._ck, names)
-        landing, arrays = self._start(chosen, indices_for(self._ck, chosen, shard))
+        landing = self._start(chosen, indices_for(self._ck, chosen, shard))
         try:
             for d, name in enumerate(chosen):
                 landing.wait_dest(d)
-                yield name, arrays[d]
+                yield name, landing.dests.array(d)
             landing.finish()
         finally:
             if not landing.job.done():

@@ -156,11 +156,7 @@ class MmapSource(FileSource):
         """One strided copy out of the mapping: a column slice ``x[:, a:b]`` touches only its
         columns' bytes instead of copying every row whole into scratch (``bytes_read`` counts the
         bytes copied; the fault hook sees the run's whole span, which must exist)."""
-        limit = run.span
-        if fault_hook is not None:
-            r = fault_hook(self, run.src, run.span)
-            if r is not None:
-                limit = r
+        limit = self._fault(run.src, run.span) if fault_hook is not None else run.span
         if run.src + run.span > min(self.size(), self._array.size) or limit < run.span:
             raise self._short(run.src, max(0, min(limit, self.size() - run.src)), run.span)
         rows = np.lib.stride_tricks.as_strided(self._array[run.src:], (run.height, run.width), (run.pitch, 1),

@@ -12,12 +12,13 @@ from .device import DeviceError
 from .errors import DeviceOutOfMemoryError, FormatError, StoreMismatchError
 from .loader import LoadHandle, LoadIntoWarning, load_file, load_into, safe_open
 from .saver import save_file
+from .shard import Shard
 from .sink import clean_stale_temps
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
-    "safe_open", "load_file", "load_into", "save_file", "LoadHandle", "read_header", "clean_stale_temps",
+    "safe_open", "load_file", "load_into", "save_file", "Shard", "LoadHandle", "read_header", "clean_stale_temps",
     "settings", "__version__",
 ]

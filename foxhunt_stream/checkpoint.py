@@ -10,7 +10,7 @@ import fnmatch
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from .errors import FormatError
 from .header import MAX_HEADER_SIZE, N_LEN, Header, TensorInfo, parse_header, read_header_len
@@ -51,28 +51,56 @@ class Checkpoint:
     headers: list[Header]
     names: dict[str, tuple[int, TensorInfo]] = field(default_factory=dict)
     index_metadata: dict | None = None
+    index_path: str | None = None
 
     def metadata(self) -> dict[str, str] | None:
-        """A single file's metadata; for several files, every shard's and the index's merged."""
+        """One flat ``dict[str, str]`` (or None when nothing has any), the shape every caller expects.
+
+        A single file: its header's metadata as is. Several files: every shard's metadata and
+        the index's ``"metadata"`` object merged (non-string index values such as ``total_size``
+        as JSON text). A key given the same value twice is kept once; a key given two
+        different values is a FormatError naming the key and both files, never a silent pick.
+        Per-file metadata stays available as ``read_header(path).metadata``.
+        """
         if len(self.paths) == 1 and self.index_metadata is None:
             return self.headers[0].metadata
         merged: dict[str, str] = {}
-        for h in self.headers:
-            merged.update(h.metadata or {})
-        for k, v in (self.index_metadata or {}).items():
-            merged[k] = v if isinstance(v, str) else json.dumps(v)
+        where: dict[str, str] = {}
+        sources = [(p, h.metadata or {}) for p, h in zip(self.paths, self.headers)]
+        index_meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (self.index_metadata or {}).items()}
+        sources.append((self.index_path or "the index", index_meta))
+        for path, meta in sources:
+            for k, v in meta.items():
+                if k in merged and merged[k] != v:
+                    raise FormatError("metadata-conflict",
+                                      f"metadata key {k!r} is {merged[k]!r} in {where[k]} but {v!r} in {path}",
+                                      path=path)
+                merged.setdefault(k, v)
+                where.setdefault(k, path)
         return merged or None
 
     def file_order(self) -> list[str]:
         return [t.name for h in self.headers for t in h.tensors]
 
 
-def resolve(source) -> tuple[list[str], dict | None, dict | None]:
-    """(paths, index weight_map or None, index metadata or None) for any accepted source."""
+class Resolved(NamedTuple):
+    paths: list[str]
+    weight_map: dict[str, str] | None      # tensor name -> full path of its shard
+    index_metadata: dict | None
+    index_path: str | None = None
+
+
+def resolve(source) -> Resolved:
+    """The files of any accepted source; with an index, its weight_map and metadata too."""
     if isinstance(source, (list, tuple)):
         if not source:
             raise ValueError("empty list of checkpoint files")
-        return [os.fspath(p) for p in source], None, None
+        paths = [os.fspath(p) for p in source]
+        real = [os.path.realpath(p) for p in paths]
+        twice = [p for i, p in enumerate(paths) if real[i] in real[:i]]
+        if twice:
+            raise ValueError(f"the list of checkpoint files names {twice[0]} more than once")
+        return Resolved(paths, None, None)
     path = os.fspath(source)
     if os.path.isdir(path):
         index = os.path.join(path, INDEX_NAME)
@@ -81,15 +109,28 @@ def resolve(source) -> tuple[list[str], dict | None, dict | None]:
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
             raise FileNotFoundError(f"{path}: no *.safetensors files and no {INDEX_NAME}")
-        return files, None, None
+        return Resolved(files, None, None)
     if path.endswith(".json"):
         return _from_index(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
-    return [path], None, None
+    return Resolved([path], None, None)
 
 
-def _from_index(index_path: str) -> tuple[list[str], dict, dict | None]:
+def _allowed_roots(base: str) -> list[str]:
+    """Where the index's shards may really live: the index's own directory and, for a Hugging
+    Face hub cache snapshot (``<repo>/snapshots/<rev>/``, whose files are symlinks to
+    ``<repo>/blobs/``), that repository's blob store."""
+    roots = [os.path.realpath(base)]
+    parent = os.path.dirname(base)
+    if os.path.basename(parent) == "snapshots":
+        blobs = os.path.join(os.path.dirname(parent), "blobs")
+        if os.path.isdir(blobs):
+            roots.append(os.path.realpath(blobs))
+    return roots
+
+
+def _from_index(index_path: str) -> Resolved:
     try:
         with open(index_path, "rb") as f:
             raw = f.read(MAX_HEADER_SIZE + 1)
@@ -103,7 +144,7 @@ def _from_index(index_path: str) -> tuple[list[str], dict, dict | None]:
     if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
         raise FormatError("index-weight-map", "index must be an object with a 'weight_map' object", path=index_path)
     base = os.path.dirname(os.path.abspath(index_path))
-    real_base = os.path.realpath(base)
+    roots = _allowed_roots(base)
     files: list[str] = []
     seen: dict[str, str] = {}
     for name, fname in obj["weight_map"].items():
@@ -112,26 +153,32 @@ def _from_index(index_path: str) -> tuple[list[str], dict, dict | None]:
         if os.path.isabs(fname) or ".." in fname.replace("\\", "/").split("/"):
             raise FormatError("index-path-escape", f"weight_map[{name!r}] = {fname!r} leaves the checkpoint directory",
                               path=index_path, tensor=name)
-        full = os.path.join(base, fname)
-        if fname not in seen:
+        full = os.path.normpath(os.path.join(base, fname))
+        if full not in seen:
             real = os.path.realpath(full)
-            if os.path.commonpath([real, real_base]) != real_base:
+            if not any(os.path.commonpath([real, r]) == r for r in roots):
                 raise FormatError("index-path-escape",
                                   f"weight_map[{name!r}] = {fname!r} resolves outside the checkpoint directory",
                                   path=index_path, tensor=name)
             if not os.path.isfile(full):
                 raise FormatError("index-missing-file", f"weight_map[{name!r}] names {fname!r}, which does not exist",
                                   path=index_path, tensor=name)
-            seen[fname] = full
+            seen[full] = full
             files.append(full)
     meta = obj.get("metadata")
-    return files, {k: seen[v] for k, v in obj["weight_map"].items()}, meta if isinstance(meta, dict) else None
+    weight_map = {k: os.path.normpath(os.path.join(base, v)) for k, v in obj["weight_map"].items()}
+    return Resolved(files, weight_map, meta if isinstance(meta, dict) else None, index_path)
 
 
 def open_checkpoint(source) -> Checkpoint:
-    paths, weight_map, index_meta = resolve(source)
+    """Resolve ``source``, read every header, and build one name map across the files.
+
+    With an index, the index and the headers must agree exactly: every listed tensor is in
+    the shard the index names, and every shard tensor is listed.
+    """
+    paths, weight_map, index_meta, index_path = resolve(source)
     headers = [read_header(p) for p in paths]
-    ck = Checkpoint(paths, headers, index_metadata=index_meta)
+    ck = Checkpoint(paths, headers, index_metadata=index_meta, index_path=index_path)
     for i, h in enumerate(headers):
         for t in h.tensors:
             prev = ck.names.get(t.name)
@@ -142,9 +189,10 @@ def open_checkpoint(source) -> Checkpoint:
     if weight_map is not None:
         for name, full in weight_map.items():
             where = ck.names.get(name)
-            if where is None or os.path.realpath(paths[where[0]]) != os.path.realpath(full):
+            if where is None or paths[where[0]] != full:
+                actually = "no shard holds it" if where is None else f"it is in {paths[where[0]]}"
                 raise FormatError("index-mismatch", f"index maps it to {os.path.basename(full)} but that shard's "
-                                  "header does not hold it", path=full, tensor=name)
+                                  f"header does not hold it ({actually})", path=full, tensor=name)
         extra = [n for n in ck.names if n not in weight_map]
         if extra:
             raise FormatError("index-mismatch", f"shards hold {len(extra)} tensor(s) the index does not list, "

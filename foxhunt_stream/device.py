@@ -115,7 +115,7 @@ class CudaContext:
 
                 def allocate(nbytes: int):
                     with cp.cuda.Device(self.index):
-                        mem = cp.cuda.PinnedMemory(nbytes)
+                        mem = cp.cuda.PinnedMemory(nbytes, cp.cuda.runtime.hostAllocPortable)
                         ptr = cp.cuda.PinnedMemoryPointer(mem, 0)
                         return np.frombuffer(ptr, np.uint8, nbytes), ptr
 

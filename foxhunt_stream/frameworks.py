@@ -59,16 +59,23 @@ class NumpyFramework:
 class CupyFramework:
     name = "cupy"
 
+    _dtypes: dict = {}
+
     def _dtype(self, dtype: DType):
         """cupy's own type where it has one; bf16/fp8 fall back to same-width unsigned views."""
-        cp = cupy()
-        if dtype.sub_byte:
-            return np.dtype(np.uint8)
-        try:
-            cp.empty(0, dtype.numpy)
-            return dtype.numpy
-        except Exception:
-            return np.dtype(f"u{dtype.itemsize}")
+        got = self._dtypes.get(dtype.name)
+        if got is None:
+            cp = cupy()
+            if dtype.sub_byte:
+                got = np.dtype(np.uint8)
+            else:
+                try:
+                    cp.empty(0, dtype.numpy)
+                    got = dtype.numpy
+                except Exception:
+                    got = np.dtype(f"u{dtype.itemsize}")
+            self._dtypes[dtype.name] = got
+        return got
 
     def empty(self, dtype: DType, shape, device: Device, tensor: str = ""):
         cp = cupy()
@@ -116,7 +123,7 @@ class TorchFramework:
         shp = host_shape(dtype, tuple(shape))
         try:
             return torch.empty(shp, dtype=self.torch_dtype(dtype), device=str(device))
-        except torch.OutOfMemoryError:
+        except getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError):
             raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shp)) * max(1, dtype.itemsize)) from None
 
     def owns(self, x) -> bool:

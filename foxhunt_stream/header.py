@@ -3,9 +3,16 @@
 Validation follows the reference implementation rule by rule (safetensors/src/tensor.rs,
 ``read_metadata`` and ``Metadata::validate``) and is stricter where it is lax:
 
-* duplicate tensor names or fields are an error (the reference keeps the last one);
+* a key appearing twice in any JSON object is an error (the reference rejects a repeated
+  ``dtype``/``shape``/``data_offsets``/``__metadata__`` but keeps the last of repeated tensor
+  names, metadata keys and unknown fields);
 * a tensor entry must be a JSON object (the reference also takes a 3-element array);
-* JSON must be strict: no NaN/Infinity literals, no lone surrogates.
+* ``dtype`` must be a JSON string (the reference's serde enum also takes ``{"F32": null}``).
+
+Where Python's ``json`` is laxer than the reference's serde_json, we follow serde_json, so
+that every file we accept the reference accepts too: no NaN/Infinity literals, no lone
+surrogate escapes anywhere, ``-0`` is a float (so not a valid shape/offset), numbers must
+fit a double, and objects/arrays nest at most ``MAX_JSON_DEPTH`` deep.
 
 Every rule is a ``FormatError`` whose ``rule`` attribute names it.
 """
@@ -13,6 +20,8 @@ Every rule is a ``FormatError`` whose ``rule`` attribute names it.
 from __future__ import annotations
 
 import json
+import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -23,6 +32,11 @@ from .errors import FormatError
 N_LEN = 8
 MAX_HEADER_SIZE = 100_000_000
 _U64_MAX = 2**64 - 1
+MAX_JSON_DEPTH = 127   # serde_json's recursion limit: the 128th nested '[' or '{' is an error
+_KNOWN_FIELDS = frozenset(("dtype", "shape", "data_offsets"))
+# Surrogate code points can only come from \u escapes (the raw bytes are checked UTF-8), so a
+# header without such an escape needs no per-string check.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,20 +98,82 @@ def _reject_constant(token: str):
     raise FormatError("header-json", f"non-standard JSON constant {token}")
 
 
-def _pairs_no_duplicates(pairs):
-    seen = {}
-    for k, v in pairs:
-        if k in seen:
-            raise FormatError("duplicate-key", f"key {k!r} appears twice in one JSON object")
-        seen[k] = v
-    return seen
+def _parse_int(token: str):
+    """Integers as serde_json reads them: ``-0`` is the float -0.0; beyond a double, an error."""
+    if token == "-0":
+        return -0.0
+    value = int(token)
+    if len(token) > 300 and math.isinf(_to_float(value)):
+        raise FormatError("header-json", f"number {token[:20]}... is out of range")
+    return value
 
 
-def _check_str(s: str, what: str) -> None:
+def _to_float(value: int) -> float:
     try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        raise FormatError("header-json", f"{what} contains a lone surrogate escape") from None
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def _parse_float(token: str) -> float:
+    value = float(token)
+    if math.isinf(value):
+        raise FormatError("header-json", f"number {token[:40]} is out of range")
+    return value
+
+
+class _Duplicate:
+    """Stands in for a JSON object that repeats ``key``, so that the error can name the tensor."""
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"{{an object repeating {self.key!r}}}"
+
+
+def _pairs_no_duplicates(pairs):
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                return _Duplicate(k)
+            seen.add(k)
+    return obj
+
+
+def _check_strings(value, tensor: str | None) -> None:
+    """Reject lone surrogates in any key or string under ``value`` (iterative: no recursion)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise FormatError("header-json", f"string {v[:40]!r} contains a lone surrogate escape",
+                                  tensor=tensor) from None
+
+
+def _check_extra(value, depth: int, tensor: str) -> None:
+    """An ignored field still has to be JSON the reference takes: no container nested deeper
+    than serde_json allows (``depth`` is ``value``'s own), no repeated key."""
+    stack = [(value, depth)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, _Duplicate):
+            raise FormatError("duplicate-key", f"key {v.key!r} appears twice in an unknown field", tensor=tensor)
+        if isinstance(v, (dict, list)):
+            if d > MAX_JSON_DEPTH:
+                raise FormatError("header-json", f"JSON nests deeper than {MAX_JSON_DEPTH} levels", tensor=tensor)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
 
 
 def _is_uint(x) -> bool:
@@ -119,25 +195,34 @@ def parse_header(header_bytes: bytes, file_size: int) -> Header:
     except UnicodeDecodeError as e:
         raise FormatError("header-utf8", f"header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     try:
-        obj = json.loads(text, object_pairs_hook=_pairs_no_duplicates, parse_constant=_reject_constant)
+        obj = json.loads(text, object_pairs_hook=_pairs_no_duplicates, parse_constant=_reject_constant,
+                         parse_int=_parse_int, parse_float=_parse_float)
     except FormatError:
         raise
     except json.JSONDecodeError as e:
         raise FormatError("header-json", f"header is not valid JSON: {e.msg} at char {e.pos}") from None
     except (RecursionError, ValueError) as e:
         raise FormatError("header-json", f"header is not valid JSON: {type(e).__name__}: {e}"[:300]) from None
+    if isinstance(obj, _Duplicate):
+        what = "__metadata__" if obj.key == "__metadata__" else "tensor name"
+        raise FormatError("duplicate-key", f"{what} appears twice in the header",
+                          tensor=None if obj.key == "__metadata__" else obj.key)
     if not isinstance(obj, dict):
         raise FormatError("header-not-object", f"header JSON is a {type(obj).__name__}, not an object")
+    if _SURROGATE_ESCAPE.search(text):
+        for k, v in obj.items():
+            _check_strings(k, None)
+            _check_strings(v, None if k == "__metadata__" else k)
 
     metadata = obj.pop("__metadata__", None)
     if metadata is not None:
+        if isinstance(metadata, _Duplicate):
+            raise FormatError("duplicate-key", f"__metadata__ key {metadata.key!r} appears twice")
         if not isinstance(metadata, dict):
             raise FormatError("metadata-type", "__metadata__ must be an object of string to string, or null")
         for k, v in metadata.items():
-            _check_str(k, "__metadata__ key")
             if not isinstance(v, str):
                 raise FormatError("metadata-type", f"__metadata__[{k!r}] is a {type(v).__name__}, not a string")
-            _check_str(v, f"__metadata__[{k!r}]")
 
     infos: list[TensorInfo] = []
     for name, entry in obj.items():
@@ -151,8 +236,15 @@ def parse_header(header_bytes: bytes, file_size: int) -> Header:
                               f"data_offsets [{t.start}, {t.end}] do not start where the previous tensor ends ({pos}): "
                               "tensors must tile the data region with no gap or overlap", tensor=t.name)
         pos = t.end
-        nbits = t.numel * t.dtype.bits
-        if t.numel > _U64_MAX or nbits > _U64_MAX:
+        # Overflow is checked on every partial product, as the reference's checked_mul fold does:
+        # [2**40, 2**40, 0] is rejected although it holds no element.
+        numel = 1
+        for s in t.shape:
+            numel *= s
+            if numel > _U64_MAX:
+                break
+        nbits = numel * t.dtype.bits
+        if numel > _U64_MAX or nbits > _U64_MAX:
             raise FormatError("size-overflow", f"shape {list(t.shape)} overflows a 64-bit byte count", tensor=t.name)
         if nbits % 8:
             raise FormatError("misaligned-slice", f"{t.numel} x {t.dtype.bits} bits is not a whole number of bytes",
@@ -170,9 +262,14 @@ def parse_header(header_bytes: bytes, file_size: int) -> Header:
 
 
 def _tensor_info(name: str, entry) -> TensorInfo:
-    _check_str(name, "tensor name")
+    if isinstance(entry, _Duplicate):
+        raise FormatError("duplicate-key", f"field {entry.key!r} appears twice", tensor=name)
     if not isinstance(entry, dict):
         raise FormatError("tensor-entry", f"entry is a {type(entry).__name__}, not an object", tensor=name)
+    if len(entry) != len(_KNOWN_FIELDS):   # unknown fields are ignored, but must nest like serde allows
+        for key, value in entry.items():
+            if key not in _KNOWN_FIELDS:
+                _check_extra(value, 3, name)
     for key in ("dtype", "shape", "data_offsets"):
         if key not in entry:
             raise FormatError("tensor-entry", f"missing field {key!r}", tensor=name)

@@ -20,6 +20,7 @@ from .errors import StoreMismatchError
 from .frameworks import Buffer, expected_host_dtype, framework_of, get_framework
 from .pipeline import Job
 from .plan import LoadPlan, Selection, plan_load
+from .shard import Shard, indices_for, shard_shape
 from .source import FileSource, open_source, resident_fraction
 from .target import CudaTarget, HostTarget
 
@@ -55,13 +56,66 @@ def open_sources(ck: Checkpoint, s: _settings.Settings) -> list[FileSource]:
     return out
 
 
+class Destinations:
+    """Where each destination of a plan lands.
+
+    ``Destinations.allocate`` makes new arrays lazily, in the worker that reaches a destination's
+    first chunk: device allocation (cudaMalloc behind the framework's allocator) overlaps the
+    reads instead of preceding them all, and the first tensor is not held up by the last one's
+    allocation. ``Destinations.fixed`` wraps existing buffers (load_into).
+    """
+
+    def __init__(self, n: int, devices: set[Device], make=None, buffers: list[Buffer] | None = None,
+                 arrays: list | None = None) -> None:
+        self.devices = devices
+        self._make = make
+        self.buffers: list[Buffer | None] = buffers if buffers is not None else [None] * n
+        self.arrays: list = arrays if arrays is not None else [None] * n
+        self._locks = [threading.Lock() for _ in range(n)] if make is not None else []
+
+    @classmethod
+    def allocate(cls, framework, plan: LoadPlan, device: Device) -> "Destinations":
+        def make(d: int):
+            dest = plan.destinations[d]
+            arr = framework.empty(dest.dtype, dest.shape, device, dest.name)
+            return arr, framework.buffer(arr)
+        return cls(len(plan.destinations), {device}, make)
+
+    @classmethod
+    def fixed(cls, buffers: list[Buffer], arrays: list) -> "Destinations":
+        return cls(len(buffers), {b.device for b in buffers}, buffers=buffers, arrays=arrays)
+
+    def buffer(self, d: int) -> Buffer:
+        b = self.buffers[d]
+        if b is None:
+            with self._locks[d]:
+                b = self.buffers[d]
+                if b is None:
+                    arr, b = self._make(d)
+                    self.arrays[d] = arr
+                    self.buffers[d] = b
+        return b
+
+    def array(self, d: int):
+        self.buffer(d)   # zero-byte destinations have no chunk: allocate them here
+        return self.arrays[d]
+
+    def all_arrays(self) -> list:
+        return [self.array(d) for d in range(len(self.arrays))]
+
+    def release(self) -> None:
+        """Drop every array (after a failure: nothing partial is kept alive)."""
+        self.arrays = [None] * len(self.arrays)
+        self.buffers = [None] * len(self.buffers)
+
+
 class Landing:
     """A load plan in flight: per-destination readiness, cancellation, one wait for all."""
 
-    def __init__(self, plan: LoadPlan, sources: list[FileSource], buffers: list[Buffer],
+    def __init__(self, plan: LoadPlan, sources: list[FileSource], dests: Destinations,
                  s: _settings.Settings, keepalive: Any = None) -> None:
         self.plan = plan
-        self.buffers = buffers
+        self.dests = dests
         self.sources = sources
         self._lock = threading.Lock()
         self._remaining = list(plan.chunks_per_dest)
@@ -70,13 +124,12 @@ class Landing:
         for d, n in enumerate(self._remaining):
             if n == 0:
                 self._ready[d].set()
-        self._targets: dict[Device, Any] = {}
-        for b in buffers:
-            if b.device not in self._targets:
-                # a host worker holds one scratch slot at a time: more than `threads` is waste (and
-                # staging/chunk of them, e.g. 131072 with 4 KiB chunks, took seconds to allocate)
-                self._targets[b.device] = (CudaTarget(b.device.index, s.chunk_bytes, s.n_slots) if b.device.is_cuda
-                                           else HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)))
+        # a host worker holds one scratch slot at a time: more than `threads` is waste (and
+        # staging/chunk of them, e.g. 131072 with 4 KiB chunks, took seconds to allocate)
+        self._targets: dict[Device, Any] = {
+            dev: (CudaTarget(dev.index, s.chunk_bytes, s.n_slots) if dev.is_cuda
+                  else HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)))
+            for dev in dests.devices}
         self.started = time.perf_counter()
         self.job = Job(plan.chunks, self._work, s.threads, self._on_done, keepalive=keepalive)
         log.debug("load: %d tensors, %d bytes, %d chunks, %d threads, chunk %d, staging %d, backends %s",
@@ -85,7 +138,7 @@ class Landing:
         self.job.start()
 
     def _work(self, worker: int, chunk):
-        buf = self.buffers[chunk.dest]
+        buf = self.dests.buffer(chunk.dest)
         return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf)
 
     def _on_done(self, i: int, chunk, event) -> None:
@@ -113,6 +166,7 @@ class Landing:
             self.job.wait()
         except BaseException:
             self._drain()
+            self.dests.release()
             raise
         self._drain()
         elapsed = time.perf_counter() - self.started
@@ -133,15 +187,6 @@ def _close_all(sources):
         src.close()
 
 
-def _allocate(framework, dests, device: Device) -> tuple[list, list[Buffer]]:
-    arrays, buffers = [], []
-    for d in dests:
-        arr = framework.empty(d.dtype, d.shape, device, d.name)
-        arrays.append(arr)
-        buffers.append(framework.buffer(arr))
-    return arrays, buffers
-
-
 def _selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | None = None) -> list[Selection]:
     out = []
     for n in names:
@@ -154,8 +199,8 @@ class LoadHandle:
     """A background load (``load_file(..., background=True)``): ``result()`` waits for all,
     ``wait(name)`` only for one tensor, ``done()`` polls, ``cancel()`` stops it."""
 
-    def __init__(self, landing: Landing, names: list[str], arrays: list, on_close) -> None:
-        self._landing, self._names, self._arrays = landing, names, arrays
+    def __init__(self, landing: Landing, names: list[str], on_close) -> None:
+        self._landing, self._names = landing, names
         self._pos = {n: i for i, n in enumerate(names)}
         self._on_close = on_close
         self._result: dict | None = None
@@ -163,7 +208,7 @@ class LoadHandle:
 
     def wait(self, name: str):
         self._landing.wait_dest(self._pos[name])
-        return self._arrays[self._pos[name]]
+        return self._landing.dests.array(self._pos[name])
 
     def done(self) -> bool:
         return self._landing.job.done()
@@ -177,7 +222,7 @@ class LoadHandle:
                 self._landing.finish()
             finally:
                 self._close()
-            self._result = dict(zip(self._names, self._arrays))
+            self._result = dict(zip(self._names, self._landing.dests.all_arrays()))
         return self._result
 
     def cancel(self) -> None:
@@ -195,11 +240,12 @@ class LoadHandle:
 
 
 def load_file(source, device="cpu", framework: str | None = None, names: Names = None, *,
-              background: bool = False, **options) -> dict[str, Any] | LoadHandle:
+              background: bool = False, shard: Shard | None = None, **options) -> dict[str, Any] | LoadHandle:
     """Load the selected tensors of a checkpoint; returns ``{name: array}``.
 
     ``source`` is a file, a list of files, an index.json or a directory. Unselected bytes are
-    never read. With ``background=True`` returns a ``LoadHandle`` at once.
+    never read. With ``background=True`` returns a ``LoadHandle`` at once. With
+    ``shard=Shard(rank, world_size, dim)`` each array is this rank's slice of the tensor.
     """
     s = _settings.merge(**options)
     dev = parse_device(device)
@@ -207,20 +253,23 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     fw = get_framework(framework, dev)
     ck = open_checkpoint(source)
     chosen = select(ck, names)
-    plan = plan_load(_selections(ck, chosen), s.chunk_bytes)
-    arrays, buffers = _allocate(fw, plan.destinations, dev)
+    plan = plan_load(_selections(ck, chosen, indices_for(ck, chosen, shard)), s.chunk_bytes)
     sources = open_sources(ck, s)
     try:
-        landing = Landing(plan, sources, buffers, s, keepalive=arrays)
+        landing = Landing(plan, sources, Destinations.allocate(fw, plan, dev), s)
     except BaseException:
         _close_all(sources)
         raise
-    handle = LoadHandle(landing, chosen, arrays, lambda: _close_all(sources))
+    handle = LoadHandle(landing, chosen, lambda: _close_all(sources))
     return handle if background else handle.result()
 
 
-def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **options) -> dict[str, str]:
+def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, shard: Shard | None = None,
+              **options) -> dict[str, str]:
     """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata.
+
+    With ``shard=Shard(rank, world_size, dim)`` the store holds this rank's slices (their
+    shapes are checked against the slices, not the whole tensors).
 
     Every name, shape and dtype is checked before any byte is written; a mismatch (and, with
     ``strict``, a missing or unexpected name) raises StoreMismatchError listing them all, with
@@ -229,6 +278,7 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **op
     """
     s = _settings.merge(**options)
     ck = open_checkpoint(source)
+    metadata = ck.metadata()   # a conflict is an error before any byte lands
     missing = [n for n in store.keys() if n not in ck.names]
     unexpected = [n for n in ck.file_order() if n not in store]
     problems = []
@@ -239,12 +289,14 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **op
         arr = store[n]
         info = ck.names[n][1]
         fw = framework_of(arr)
-        want_shape = host_shape(info.dtype, info.shape)
+        file_shape = info.shape if shard is None else shard_shape(info.shape, shard, n)
+        want_shape = host_shape(info.dtype, file_shape)
         want_dtype = expected_host_dtype(fw, info.dtype)
         _, shape, dev = fw.describe(arr)
         got_dtype = arr.dtype
         if tuple(shape) != tuple(want_shape):
-            problems.append(f"{n}: shape {list(shape)} in the store, {list(info.shape)} in the file")
+            problems.append(f"{n}: shape {list(shape)} in the store, {list(file_shape)} in the file"
+                            + ("" if shard is None else f" (rank {shard.rank} of {shard.world_size})"))
         elif got_dtype != want_dtype:
             problems.append(f"{n}: dtype {got_dtype} in the store, {info.dtype.name} ({want_dtype}) in the file")
         else:
@@ -261,13 +313,13 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **op
         raise StoreMismatchError(problems, missing=missing, unexpected=unexpected)
     if missing or unexpected:
         warnings.warn(LoadIntoWarning(missing, unexpected), stacklevel=2)
-    plan = plan_load(_selections(ck, names), s.chunk_bytes)
+    plan = plan_load(_selections(ck, names, indices_for(ck, names, shard)), s.chunk_bytes)
     sources = open_sources(ck, s)
     try:
-        Landing(plan, sources, buffers, s, keepalive=store).finish()
+        Landing(plan, sources, Destinations.fixed(buffers, [store[n] for n in names]), s).finish()
     finally:
         _close_all(sources)
-    return ck.metadata() or {}
+    return metadata or {}
 
 
 class _Closed:
@@ -293,6 +345,8 @@ class SliceView:
         return tuple(self._info.shape)
 
     def __getitem__(self, index):
+        if index is None:   # numpy's newaxis, not "no index" (which the planner reads as the whole tensor)
+            index = (None,)
         return self._h._load([self._name], {self._name: index})[0]
 
 
@@ -356,22 +410,22 @@ class safe_open:
     def _start(self, names: list[str], indices=None):
         self._check()
         plan = plan_load(_selections(self._ck, names, indices), self._s.chunk_bytes)
-        arrays, buffers = _allocate(self._fw, plan.destinations, self._dev)
-        return Landing(plan, self._sources, buffers, self._s, keepalive=arrays), arrays
+        return Landing(plan, self._sources, Destinations.allocate(self._fw, plan, self._dev), self._s)
 
     def _load(self, names: list[str], indices=None) -> list:
-        landing, arrays = self._start(names, indices)
+        landing = self._start(names, indices)
         landing.finish()
-        return arrays
+        return landing.dests.all_arrays()
 
-    def tensors(self, names: Names = None) -> Iterator[tuple[str, Any]]:
-        """Yield ``(name, array)`` as each tensor lands (file order, or the order of a list)."""
+    def tensors(self, names: Names = None, *, shard: Shard | None = None) -> Iterator[tuple[str, Any]]:
+        """Yield ``(name, array)`` as each tensor lands (file order, or the order of a list);
+        with ``shard``, each array is this rank's slice."""
         chosen = select(self._ck, names)
-        landing, arrays = self._start(chosen)
+        landing = self._start(chosen, indices_for(self._ck, chosen, shard))
         try:
             for d, name in enumerate(chosen):
                 landing.wait_dest(d)
-                yield name, arrays[d]
+                yield name, landing.dests.array(d)
             landing.finish()
         finally:
             if not landing.job.done():

@@ -60,8 +60,13 @@ class Job:
         finally:
             with self._lock:
                 self._alive -= 1
-                if self._alive == 0:
-                    self._done.set()
+                last = self._alive == 0
+            if last:
+                # drop references to the work and its buffers: a finished job must not keep
+                # device memory alive through a reference cycle until the next GC pass
+                self._work = self._on_done = self._setup = None
+                self.keepalive = None
+                self._done.set()
 
     def fail(self, error: BaseException) -> None:
         with self._lock:

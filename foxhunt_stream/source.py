@@ -18,11 +18,14 @@ import ctypes
 import mmap
 import os
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from .errors import FormatError
+
+if TYPE_CHECKING:
+    from .plan import Run
 
 ALIGN = 4096
 BACKENDS = ("pread", "mmap", "direct")
@@ -70,14 +73,21 @@ class FileSource:
                            f"read of {want} bytes at offset {offset} returned only {got}: the file is shorter "
                            "than its header says (truncated or changed while loading?)", path=self.path)
 
+    def _fault(self, offset: int, want: int) -> int:
+        """Run the test-only fault hook: it may raise (errors are named like real ones) or cut the read."""
+        try:
+            r = fault_hook(self, offset, want)
+        except OSError as e:
+            raise OSError(e.errno, f"{self.path}: read of {want} bytes at offset {offset} failed: "
+                                   f"{e.strerror}") from e
+        return want if r is None else r
+
     def read_into(self, out: np.ndarray, offset: int) -> None:
         """Fill ``out`` (a contiguous uint8 array) with the bytes at ``offset``."""
         want = out.nbytes
         limit = want
         if fault_hook is not None:
-            r = fault_hook(self, offset, want)
-            if r is not None:
-                limit = r
+            limit = self._fault(offset, want)
         mv = memoryview(out).cast("B")
         got = 0
         while got < want:
@@ -102,6 +112,14 @@ class FileSource:
     def scratch_bytes(self, length: int) -> int:
         """Scratch needed by read_span for ``length`` bytes."""
         return length
+
+    def gather(self, run: "Run", out: np.ndarray) -> bool:
+        """Pack the rows of a 2-D run into ``out[:run.nbytes]`` touching only their bytes, if this
+        source can (a mapped file); False means read the span with ``read_span`` instead.
+
+        Positional reads cannot skip the gaps between rows, so pread and O_DIRECT say False.
+        """
+        return False
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -128,15 +146,24 @@ class MmapSource(FileSource):
 
     def read_into(self, out: np.ndarray, offset: int) -> None:
         want = out.nbytes
-        limit = want
-        if fault_hook is not None:
-            r = fault_hook(self, offset, want)
-            if r is not None:
-                limit = r
+        limit = self._fault(offset, want) if fault_hook is not None else want
         if offset + want > min(self.size(), self._array.size) or limit < want:
             raise self._short(offset, max(0, min(limit, self.size() - offset)), want)
         np.copyto(out.reshape(-1), self._array[offset:offset + want])
         self._count(want)
+
+    def gather(self, run: "Run", out: np.ndarray) -> bool:
+        """One strided copy out of the mapping: a column slice ``x[:, a:b]`` touches only its
+        columns' bytes instead of copying every row whole into scratch (``bytes_read`` counts the
+        bytes copied; the fault hook sees the run's whole span, which must exist)."""
+        limit = self._fault(run.src, run.span) if fault_hook is not None else run.span
+        if run.src + run.span > min(self.size(), self._array.size) or limit < run.span:
+            raise self._short(run.src, max(0, min(limit, self.size() - run.src)), run.span)
+        rows = np.lib.stride_tricks.as_strided(self._array[run.src:], (run.height, run.width), (run.pitch, 1),
+                                               writeable=False)
+        out[:run.nbytes].reshape(run.height, run.width)[...] = rows
+        self._count(run.nbytes)
+        return True
 
     def close(self):
         self._array = None
@@ -172,9 +199,7 @@ class DirectSource(FileSource):
             raise ValueError("scratch buffer too small for an aligned direct read")
         limit = hi - lo
         if fault_hook is not None:
-            r = fault_hook(self, offset, length)
-            if r is not None:
-                limit = min(limit, r + (offset - lo))
+            limit = min(limit, self._fault(offset, length) + (offset - lo))
         mv = memoryview(buf).cast("B")
         got = 0
         need = offset + length - lo

@@ -1,9 +1,10 @@
 """Targets: land a chunk of file bytes in its destination.
 
 ``HostTarget`` reads straight into the destination array when a chunk is one contiguous run
-(no staging), and through a scratch slot for strided (2-D) runs and O_DIRECT.
+(no staging), and through a scratch slot for strided (2-D) runs and O_DIRECT. A mapped source
+(``mmap`` backend) packs a strided run's rows itself (``gather``), touching only those bytes.
 ``CudaTarget`` reads into a pinned slot, enqueues ``cudaMemcpyAsync`` (or ``cudaMemcpy2DAsync``
-for strided runs) on the worker's own non-blocking stream, records an event and returns the slot
+for strided runs read as whole spans) on the worker's own non-blocking stream, records an event and returns the slot
 with it, so the slot is reused as soon as the copy is done. Both also run the saver's direction
 (``fetch``: destination bytes -> host memory for writing).
 """
@@ -43,6 +44,8 @@ class HostTarget:
         if run.height == 1 and source.direct_reads:
             source.read_into(buf.host[run.dst:run.dst + run.width], run.src)
             return None
+        if run.height > 1 and source.gather(run, buf.host[run.dst:run.dst + run.nbytes]):
+            return None   # a mapped source copied only the selected columns, no scratch
         pool = self.pool()
         slot = pool.acquire()
         try:
@@ -71,11 +74,12 @@ class CudaTarget:
         slot = pool.acquire()
         event = None
         try:
-            view = source.read_span(run.src, run.span, slot.array)
+            packed = run.height > 1 and source.gather(run, slot.array)   # mapped source: rows packed
+            view = slot.array[:run.nbytes] if packed else source.read_span(run.src, run.span, slot.array)
             src = view.ctypes.data
             with cp.cuda.Device(self.index):
-                if run.height == 1:
-                    rt.memcpyAsync(buf.ptr + run.dst, src, run.width, rt.memcpyHostToDevice, stream.ptr)
+                if run.height == 1 or packed:
+                    rt.memcpyAsync(buf.ptr + run.dst, src, run.nbytes, rt.memcpyHostToDevice, stream.ptr)
                 else:
                     rt.memcpy2DAsync(buf.ptr + run.dst, run.width, src, run.pitch, run.width, run.height,
                                      rt.memcpyHostToDevice, stream.ptr)

@@ -1,0 +1,186 @@
+"""Parser fuzzing (issue "Reliability"), bounded to a few seconds.
+
+(a) Arbitrary bytes, arbitrary JSON and mutated valid files (bit flips, splices, length-prefix
+    edits, JSON token and structure edits) fed to ``parse_header`` and ``fs.load_file``: every
+    input ends in a FormatError or in a correct load, never in another exception, and memory
+    stays linear in the input, whatever sizes the header claims.
+(b) Differential: mutated files against safetensors 0.8.0. Verdicts must be equal, or ours a
+    rejection the reference does not make that ``format_support.STRICTER`` documents. We are
+    never laxer than the reference. When both accept, names, dtypes, shapes, bytes and metadata
+    agree.
+
+``tools/fuzz_header.py`` runs the same checks for millions of inputs (see benchmarks/FUZZ.md).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import tracemalloc
+from pathlib import Path
+
+import safetensors
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import foxhunt_stream as fs
+from foxhunt_stream import FormatError
+from foxhunt_stream.header import parse_header
+from format_support import build, documented_stricter, expected_bytes, mutate, reference_verdict, seed_files
+
+SEEDS = seed_files()
+
+
+def bounded(n: int) -> settings:
+    return settings(max_examples=n, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _ours(buf: bytes):
+    """Our verdict on a whole file's bytes: the Header, or the FormatError (anything else raises)."""
+    try:
+        return parse_header(buf, len(buf))
+    except FormatError as e:
+        assert e.rule and e.path is None
+        return e
+
+
+def _check_accepted(header, buf: bytes) -> None:
+    """An accepted header describes the file: tensors tile the data region up to EOF."""
+    pos = 0
+    for t in header.tensors:
+        assert t.start == pos and t.end >= t.start
+        assert t.numel * t.dtype.bits == 8 * t.nbytes
+        pos = t.end
+    assert header.data_start + pos == len(buf)
+
+
+def _mutated(draw_seed: int, rnd: random.Random, rounds: int) -> bytes:
+    buf = SEEDS[draw_seed % len(SEEDS)]
+    for _ in range(rounds):
+        buf = mutate(buf, rnd)
+    return buf
+
+
+mutated_files = st.builds(_mutated, st.integers(0, len(SEEDS) - 1), st.randoms(use_true_random=False),
+                          st.integers(1, 4))
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
+    max_leaves=12)
+entries = st.fixed_dictionaries({"dtype": st.sampled_from(["F32", "U8", "F4", "BF16", "x"]),
+                                 "shape": st.lists(st.integers(0, 4), max_size=3),
+                                 "data_offsets": st.lists(st.integers(0, 40), min_size=2, max_size=2)})
+headers = st.dictionaries(st.text(max_size=4), entries | json_values, max_size=4)
+
+
+# ---------------------------------------------------------------- (a) robustness
+
+@bounded(400)
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes(buf):
+    result = _ours(buf)
+    if not isinstance(result, FormatError):
+        _check_accepted(result, buf)
+
+
+@bounded(150)
+@given(headers | json_values, st.binary(max_size=48))
+def test_arbitrary_json_headers(obj, data):
+    buf = build(json.dumps(obj), data)
+    result = _ours(buf)
+    if not isinstance(result, FormatError):
+        _check_accepted(result, buf)
+    _same_verdict_as_reference(buf, result)
+
+
+@bounded(300)
+@given(mutated_files)
+def test_mutated_files_parse_or_raise_format_error(buf):
+    result = _ours(buf)
+    if not isinstance(result, FormatError):
+        _check_accepted(result, buf)
+
+
+@bounded(120)
+@given(mutated_files)
+def test_mutated_files_load_or_raise_format_error(buf):
+    """Through the public loader too: a FormatError naming the file, or arrays holding the file's bytes."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d, "m.safetensors")
+        path.write_bytes(buf)
+        try:
+            out = fs.load_file(path)
+        except FormatError as e:
+            assert e.path == str(path) and str(path) in str(e)
+            return
+    raw = expected_bytes(buf)
+    assert sorted(out) == sorted(raw)
+    for k, arr in out.items():
+        assert arr.tobytes() == raw[k]
+
+
+@bounded(40)
+@given(mutated_files)
+def test_memory_stays_linear_in_the_input(buf):
+    """No allocation follows a size the header claims: peak memory is bounded by the input's size."""
+    tracemalloc.start()
+    try:
+        _ours(buf)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak <= 64 * len(buf) + (256 << 10)
+
+
+# ---------------------------------------------------------------- (b) differential
+
+@bounded(1000)
+@given(mutated_files)
+def test_differential_against_the_reference(buf):
+    _same_verdict_as_reference(buf, _ours(buf))
+
+
+def _same_verdict_as_reference(buf: bytes, ours) -> None:
+    ref = reference_verdict(buf)
+    if isinstance(ours, FormatError):
+        assert not ref.ok or documented_stricter(ours, buf), f"we reject what the reference accepts: {ours}"
+        return
+    assert ref.ok, f"we accept what the reference rejects ({ref.error})"
+    base = ours.data_start
+    assert {t.name: (t.dtype.name, t.shape, buf[base + t.start:base + t.end]) for t in ours.tensors} == ref.tensors
+
+
+@bounded(60)
+@given(mutated_files)
+def test_differential_metadata_when_both_accept(buf):
+    ours = _ours(buf)
+    if isinstance(ours, FormatError) or not reference_verdict(buf).ok:
+        return
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d, "m.safetensors")
+        path.write_bytes(buf)
+        with safetensors.safe_open(str(path), "numpy") as f:
+            assert ours.metadata == f.metadata()
+            assert [t.name for t in ours.tensors if t.nbytes] == [k for k in f.offset_keys()
+                                                                 if ours.by_name[k].nbytes]
+
+
+def test_mutators_reach_every_verdict():
+    """The mutations are worth something: a fixed sample reaches acceptance, the documented
+    stricter rules and most rejection rules."""
+    rnd = random.Random(1234)
+    rules, accepted = set(), 0
+    for i in range(3000):
+        buf = _mutated(i, rnd, 1 + i % 3)
+        result = _ours(buf)
+        if isinstance(result, FormatError):
+            rules.add(result.rule)
+        else:
+            accepted += 1
+    assert accepted > 50
+    assert rules >= {"header-too-small", "header-too-large", "header-length", "header-utf8", "header-json",
+                     "header-not-object", "metadata-type", "tensor-entry", "unknown-dtype", "offsets-tiling",
+                     "size-mismatch", "incomplete-buffer", "duplicate-key"}, rules

@@ -1,0 +1,313 @@
+"""Property tests of the format core against safetensors 0.8.0 and numpy.
+
+* save: random tensor dicts are written byte-identical to ``safetensors.numpy.save_file`` and
+  load back equal;
+* slicing: ``safe_open(...).get_slice(name)[index]`` equals numpy's ``arr[index]`` for random
+  basic indices; unsupported indices raise IndexError/TypeError;
+* planning (pure, no files): ``plan.slice_runs`` runs copy exactly the selected bytes, and
+  ``plan.split_run`` pieces stay within the chunk size and reassemble to the original run.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy as stn
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import foxhunt_stream as fs
+from foxhunt_stream.dtypes import DTYPES
+from foxhunt_stream.header import N_LEN, TensorInfo, parse_header
+from foxhunt_stream.plan import Run, Selection, plan_load, slice_runs, split_run
+
+def bounded(n: int) -> settings:
+    return settings(max_examples=n, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# The dtypes numpy / ml_dtypes can hold (all but the sub-byte F4, F6_*).
+NP_DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16,
+             "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32, "U32": np.uint32, "F32": np.float32,
+             "F64": np.float64, "I64": np.int64, "U64": np.uint64, "C64": np.complex64,
+             "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+             "F8_E8M0": ml_dtypes.float8_e8m0fnu, "F8_E4M3FNUZ": ml_dtypes.float8_e4m3fnuz,
+             "F8_E5M2FNUZ": ml_dtypes.float8_e5m2fnuz}
+SWAPPABLE = {"I16", "U16", "F16", "I32", "U32", "F32", "F64", "I64", "U64", "C64"}   # numpy has '>' variants
+
+text = st.text(st.characters(exclude_categories=("Cs",)), max_size=8)
+names = text.filter(lambda s: s != "__metadata__")
+shapes = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4)
+
+
+@st.composite
+def arrays(draw, dtypes=tuple(sorted(NP_DTYPES)), shape=shapes):
+    """Any bit pattern of any holdable dtype (NaN payloads included); sometimes big-endian."""
+    name = draw(st.sampled_from(dtypes))
+    dtype = np.dtype(NP_DTYPES[name])
+    shp = draw(shape)
+    n = int(np.prod(shp)) * dtype.itemsize
+    raw = np.frombuffer(draw(st.binary(min_size=n, max_size=n)), np.uint8)
+    if name == "BOOL":
+        raw = raw & 1
+    arr = raw.view(dtype).reshape(shp).copy()
+    if name in SWAPPABLE and draw(st.booleans()):
+        arr = arr.astype(dtype.newbyteorder(">"))
+    return arr
+
+
+def _le_bytes(arr: np.ndarray) -> bytes:
+    return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+
+
+tensor_dicts = st.dictionaries(names, arrays(), max_size=5)
+metadata_0_or_1 = st.none() | st.dictionaries(text, text, max_size=1)
+
+
+@bounded(60)
+@given(tensors=tensor_dicts, metadata=metadata_0_or_1)
+def test_save_is_byte_identical_to_the_reference_and_loads_back(tensors, metadata):
+    assume(tensors or metadata != {})   # the reference writes broken JSON there: see the test below
+    with tempfile.TemporaryDirectory() as d:
+        ours, ref = Path(d, "ours.safetensors"), Path(d, "ref.safetensors")
+        fs.save_file(tensors, ours, metadata=metadata, fsync=False)
+        stn.save_file(tensors, str(ref), metadata=metadata)
+        assert ours.read_bytes() == ref.read_bytes()
+        back = fs.load_file(ours)
+        with fs.safe_open(ours, "numpy") as f:
+            assert f.metadata() == metadata
+    assert sorted(back) == sorted(tensors)
+    for k, arr in tensors.items():
+        assert back[k].shape == arr.shape
+        assert back[k].dtype == arr.dtype.newbyteorder("=")
+        assert back[k].tobytes() == _le_bytes(arr)
+
+
+def test_empty_file_with_empty_metadata_is_valid_unlike_the_reference(tmp_path):
+    """safetensors 0.8.0 writes ``{},"__metadata__":{}}`` for no tensors and ``metadata={}``
+    (serde_json closes a map announced with length 0 at once), which it then cannot read back.
+    We write the valid ``{"__metadata__":{}}`` instead of copying the bug."""
+    assert stn.save({}, metadata={})[8:].rstrip() == b'{},"__metadata__":{}}'
+    with pytest.raises(Exception):
+        safetensors.deserialize(stn.save({}, metadata={}))
+    path = tmp_path / "empty.safetensors"
+    fs.save_file({}, path, metadata={}, fsync=False)
+    assert path.read_bytes() == b"\x18" + bytes(7) + b'{"__metadata__":{}}     '
+    with safetensors.safe_open(str(path), "numpy") as f:
+        assert f.keys() == [] and f.metadata() == {}
+    assert fs.load_file(path) == {}
+
+
+@bounded(15)
+@given(tensors=tensor_dicts, metadata=st.dictionaries(text, text, min_size=2, max_size=4))
+def test_save_with_several_metadata_keys_matches_the_reference_header(tensors, metadata):
+    """The reference writes 2+ metadata keys in hash order, so compare parsed headers and the
+    data region instead of whole files."""
+    with tempfile.TemporaryDirectory() as d:
+        ours, ref = Path(d, "ours.safetensors"), Path(d, "ref.safetensors")
+        fs.save_file(tensors, ours, metadata=metadata, fsync=False)
+        stn.save_file(tensors, str(ref), metadata=metadata)
+        a, b = ours.read_bytes(), ref.read_bytes()
+        with safetensors.safe_open(str(ours), "numpy") as f:
+            assert f.metadata() == metadata
+    ha, hb = parse_header(a, len(a)), parse_header(b, len(b))
+    assert ha.metadata == hb.metadata == metadata
+    assert ha.tensors == hb.tensors and ha.header_len == hb.header_len
+    assert a[ha.data_start:] == b[hb.data_start:]
+
+
+@bounded(15)
+@given(arr=arrays(shape=hnp.array_shapes(min_dims=2, max_dims=3, min_side=1, max_side=5)), data=st.data())
+def test_save_of_non_contiguous_views_equals_the_contiguous_copy(arr, data):
+    """Strided/transposed views are written as their C-order copy would be by the reference."""
+    view = arr.T if data.draw(st.booleans()) else arr[::2]
+    with tempfile.TemporaryDirectory() as d:
+        ours, ref = Path(d, "ours.safetensors"), Path(d, "ref.safetensors")
+        fs.save_file({"v": view}, ours, fsync=False)
+        stn.save_file({"v": np.ascontiguousarray(view)}, str(ref))
+        assert ours.read_bytes() == ref.read_bytes()
+
+
+# ---------------------------------------------------------------- slicing
+
+@st.composite
+def basic_index(draw, shape):
+    """A numpy basic index the loader supports: ints (negative too), slices with positive steps
+    and any (clamped) bounds, at most one Ellipsis, possibly fewer items than dims."""
+    ndim = len(shape)
+    k = draw(st.integers(0, ndim))                       # explicit items
+    ell = draw(st.none() | st.integers(0, k))            # Ellipsis position among them
+    dims = list(range(k)) if ell is None else list(range(ell)) + list(range(ndim - (k - ell), ndim))
+    items = []
+    for d in dims:
+        n = shape[d]
+        if n and draw(st.booleans()):
+            items.append(draw(st.integers(-n, n - 1)))
+        else:
+            bound = st.none() | st.integers(-2 * n - 2, 2 * n + 2)
+            items.append(slice(draw(bound), draw(bound), draw(st.none() | st.integers(1, 4))))
+    if ell is not None:
+        items.insert(ell, Ellipsis)
+    if len(items) == 1 and draw(st.booleans()):
+        return items[0]
+    return tuple(items)
+
+
+@bounded(60)
+@given(arr=arrays(dtypes=("U8", "I16", "F32", "C64", "BF16", "BOOL"), shape=shapes), data=st.data())
+def test_get_slice_equals_numpy_basic_indexing(arr, data):
+    arr = arr.astype(arr.dtype.newbyteorder("="))
+    indices = data.draw(st.lists(basic_index(arr.shape), min_size=1, max_size=6))
+    chunk = data.draw(st.sampled_from([4096, 1 << 20]))   # (splitting itself is tested purely below)
+    with tempfile.TemporaryDirectory() as d:
+        path = str(Path(d, "t.safetensors"))
+        stn.save_file({"t": arr}, path)
+        with fs.safe_open(path, "numpy", chunk_bytes=chunk) as f:
+            sl = f.get_slice("t")
+            assert sl.get_shape() == list(arr.shape)
+            for idx in indices:
+                want = np.asarray(arr[idx])
+                got = sl[idx]
+                assert got.shape == want.shape, idx
+                assert got.dtype == want.dtype
+                assert got.tobytes() == np.ascontiguousarray(want).tobytes(), idx
+
+
+UNSUPPORTED = [
+    None, (None,), (0, None), (Ellipsis, None), np.array([0, 1]), [0, 1], (np.array([0]),),
+    slice(None, None, -1), (slice(None), slice(None, None, -2)), slice(None, None, 0),
+    True, False, np.bool_(True), (0, True),
+    1.5, "a", (Ellipsis, Ellipsis),
+    (0, 0, 0), 3, -4, (0, 5), (slice(None), -6),     # too many indices / out of bounds
+]
+
+
+@pytest.mark.parametrize("index", UNSUPPORTED, ids=repr)
+def test_unsupported_indices_raise(index, tmp_path):
+    path = tmp_path / "t.safetensors"
+    stn.save_file({"t": np.arange(15, dtype=np.float32).reshape(3, 5)}, str(path))
+    with fs.safe_open(path, "numpy") as f:
+        with pytest.raises((IndexError, TypeError)):
+            f.get_slice("t")[index]
+
+
+def test_sub_byte_tensors_slice_only_whole(tmp_path):
+    from format_support import build, entry
+    path = tmp_path / "f4.safetensors"
+    path.write_bytes(build({"p": entry("F4", [2, 4], 0)}, bytes([0x12, 0x34, 0x56, 0x78])))
+    with fs.safe_open(path, "numpy") as f:
+        for idx in (Ellipsis, slice(None), (slice(None), slice(None)), ()):
+            assert f.get_slice("p")[idx].tobytes() == bytes([0x12, 0x34, 0x56, 0x78])
+        for idx in (0, slice(0, 1), (slice(None), 1)):
+            with pytest.raises(IndexError):
+                f.get_slice("p")[idx]
+
+
+# ---------------------------------------------------------------- planning, pure
+
+def _copy(runs, src: bytes, size: int) -> tuple[bytes, np.ndarray]:
+    """Simulate the 2-D copies; also count how often each destination byte is written."""
+    out = bytearray(size)
+    hits = np.zeros(size, np.int64)
+    for r in runs:
+        for row in range(r.height):
+            s = r.src + row * r.pitch
+            t = r.dst + row * r.width
+            out[t:t + r.width] = src[s:s + r.width]
+            hits[t:t + r.width] += 1
+    return bytes(out), hits
+
+
+UINT = {1: "U8", 2: "U16", 4: "U32", 8: "U64"}
+
+
+@bounded(300)
+@given(shape=shapes, itemsize=st.sampled_from(sorted(UINT)), data=st.data())
+def test_slice_runs_copy_exactly_the_selection(shape, itemsize, data):
+    nbytes = int(np.prod(shape)) * itemsize
+    data_start = data.draw(st.integers(0, 40))
+    start = data.draw(st.integers(0, 40))
+    info = TensorInfo("t", DTYPES[UINT[itemsize]], tuple(shape), start, start + nbytes)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    buf = rng.integers(0, 256, data_start + start + nbytes + 16, dtype=np.uint8).tobytes()
+    base = data_start + start
+    arr = np.frombuffer(buf[base:base + nbytes], f"<u{itemsize}").reshape(shape)
+    idx = data.draw(basic_index(tuple(shape)))
+    want = np.array(arr[idx], order="C")   # (ascontiguousarray would turn 0-d into 1-d)
+
+    out_shape, runs = slice_runs(info, data_start, idx)
+    assert out_shape == want.shape
+    assert sum(r.nbytes for r in runs) == want.nbytes          # nothing unselected is copied
+    for r in runs:                                              # every row lies inside the tensor
+        assert r.width > 0 and r.height > 0
+        assert base <= r.src and r.src + r.span <= base + nbytes
+        assert r.height == 1 or r.pitch >= r.width
+    got, hits = _copy(runs, buf, want.nbytes)
+    assert (hits == 1).all()                                    # destinations tile the result
+    assert got == want.tobytes()
+
+
+def test_slice_runs_whole_tensor_is_one_run():
+    info = TensorInfo("t", DTYPES["F32"], (3, 4), 16, 64)
+    assert slice_runs(info, 100) == ((3, 4), [Run(116, 48, 48, 1, 0)])
+    assert slice_runs(info, 100, ...) == ((3, 4), [Run(116, 48, 48, 1, 0)])
+    assert slice_runs(info, 100, (slice(None), slice(1, 3))) == ((3, 2), [Run(120, 16, 8, 3, 0)])
+    empty = TensorInfo("z", DTYPES["F32"], (0, 4), 64, 64)
+    assert slice_runs(empty, 100) == ((0, 4), [])
+
+
+@st.composite
+def runs(draw):
+    granule = draw(st.sampled_from([1, 2, 4, 8]))
+    width = draw(st.integers(1, 40)) * granule
+    height = draw(st.integers(1, 6))
+    pitch = width + draw(st.integers(0, 24)) * granule if height > 1 else width
+    return Run(draw(st.integers(0, 50)), pitch, width, height, draw(st.integers(0, 50))), granule
+
+
+@bounded(300)
+@given(rg=runs(), data=st.data())
+def test_split_run_pieces_fit_and_reassemble(rg, data):
+    run, granule = rg
+    max_bytes = data.draw(st.integers(granule, run.span + 8))
+    pieces = split_run(run, max_bytes, granule)
+    assert all(p.span <= max_bytes and p.width % granule == 0 and p.height >= 1 for p in pieces)
+    assert sum(p.nbytes for p in pieces) == run.nbytes
+    src = bytes(np.random.default_rng(run.src).integers(0, 256, run.src + run.span, dtype=np.uint8))
+    size = run.dst + run.nbytes
+    want, want_hits = _copy([run], src, size)
+    got, hits = _copy(pieces, src, size)
+    assert got == want and (hits == want_hits).all()
+    if run.span <= max_bytes:
+        assert pieces == [run]
+
+
+def test_split_run_granule_wins_over_a_smaller_chunk():
+    """A chunk smaller than one element cannot be honoured: pieces are one granule wide."""
+    pieces = split_run(Run(0, 16, 16, 1, 0), 3, granule=8)
+    assert [(p.src, p.width) for p in pieces] == [(0, 8), (8, 8)]
+    with pytest.raises(ValueError):
+        split_run(Run(0, 16, 16, 1, 0), 0)
+
+
+@bounded(80)
+@given(shape=shapes.filter(lambda s: len(s) >= 1), data=st.data())
+def test_plan_load_chunks_reassemble_the_slice(shape, data):
+    info = TensorInfo("t", DTYPES["I16"], tuple(shape), 8, 8 + int(np.prod(shape)) * 2)
+    idx = data.draw(basic_index(tuple(shape)))
+    chunk = data.draw(st.integers(2, 64))
+    plan = plan_load([Selection(0, N_LEN + 24, info, idx)], chunk)
+    shape_out, direct = slice_runs(info, N_LEN + 24, idx)
+    assert plan.destinations[0].shape == shape_out
+    assert plan.chunks_per_dest == (len(plan.chunks),)
+    assert all(c.run.span <= chunk for c in plan.chunks)
+    size = plan.destinations[0].nbytes
+    src = bytes(np.random.default_rng(0).integers(0, 256, info.end + N_LEN + 24, dtype=np.uint8))
+    got, hits = _copy([c.run for c in plan.chunks], src, size)
+    want, _ = _copy(direct, src, size)
+    assert got == want and (hits == 1).all()

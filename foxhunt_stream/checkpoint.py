@@ -14,20 +14,27 @@ from typing import Callable, Iterable
 
 from .errors import FormatError
 from .header import MAX_HEADER_SIZE, N_LEN, Header, TensorInfo, parse_header, read_header_len
+from .source import file_identity
 
 INDEX_NAME = "model.safetensors.index.json"
 
 
 def read_header(path: str | os.PathLike) -> Header:
     """Read and validate the header of one file; FormatError names the file."""
+    return _read_header(path)[0]
+
+
+def _read_header(path: str | os.PathLike) -> tuple[Header, tuple]:
+    """The header and the identity of the file it was read from (see ``source.file_identity``)."""
     path = os.fspath(path)
     with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
         prefix = _read_exact(f, 0, min(N_LEN, size))
         try:
             n = read_header_len(prefix, size)
             body = _read_exact(f, N_LEN, min(n, MAX_HEADER_SIZE))
-            return parse_header(prefix + body, size)
+            return parse_header(prefix + body, size), file_identity(st)
         except FormatError as e:
             raise e.with_path(path) from None
 
@@ -51,6 +58,7 @@ class Checkpoint:
     headers: list[Header]
     names: dict[str, tuple[int, TensorInfo]] = field(default_factory=dict)
     index_metadata: dict | None = None
+    identities: list[tuple] = field(default_factory=list)   # per file, as its header was read
 
     def metadata(self) -> dict[str, str] | None:
         """A single file's metadata; for several files, every shard's and the index's merged."""
@@ -130,8 +138,9 @@ def _from_index(index_path: str) -> tuple[list[str], dict, dict | None]:
 
 def open_checkpoint(source) -> Checkpoint:
     paths, weight_map, index_meta = resolve(source)
-    headers = [read_header(p) for p in paths]
-    ck = Checkpoint(paths, headers, index_metadata=index_meta)
+    read = [_read_header(p) for p in paths]
+    headers = [h for h, _ in read]
+    ck = Checkpoint(paths, headers, index_metadata=index_meta, identities=[i for _, i in read])
     for i, h in enumerate(headers):
         for t in h.tensors:
             prev = ck.names.get(t.name)

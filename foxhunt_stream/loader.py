@@ -6,6 +6,7 @@ front ends over one ``Landing``: a plan being executed by the pipeline into dest
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -16,8 +17,9 @@ from . import settings as _settings
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
 from .device import CPU, Device, check_device, context, parse_device
 from .dtypes import DType, host_shape
-from .errors import StoreMismatchError
+from .errors import FormatError, StoreMismatchError
 from .frameworks import Buffer, expected_host_dtype, framework_of, get_framework
+from .integrity import Verifier
 from .pipeline import Job
 from .plan import LoadPlan, Selection, plan_load
 from .source import FileSource, open_source, resident_fraction
@@ -46,8 +48,11 @@ def _backend_for(path: str, s: _settings.Settings) -> str:
 def open_sources(ck: Checkpoint, s: _settings.Settings) -> list[FileSource]:
     out = []
     try:
-        for p, h in zip(ck.paths, ck.headers):
+        for i, (p, h) in enumerate(zip(ck.paths, ck.headers)):
             out.append(open_source(p, _backend_for(p, s), h.file_size))
+            if ck.identities:   # the file opened must be the one whose header we hold
+                out[-1].identity = ck.identities[i]
+                out[-1].check_unchanged("file-replaced")
     except BaseException:
         for src in out:
             src.close()
@@ -55,12 +60,31 @@ def open_sources(ck: Checkpoint, s: _settings.Settings) -> list[FileSource]:
     return out
 
 
+_REOPEN_ATTEMPTS = 3
+
+
+def _reopen_if_replaced(fn):
+    """Start a load over when a file was replaced between its header read and its opening (a
+    concurrent atomic save renamed a new version over it): the new version is read from scratch.
+    Nothing has been allocated on a device or written to a store by then."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for attempt in range(_REOPEN_ATTEMPTS):
+            try:
+                return fn(*args, **kwargs)
+            except FormatError as e:
+                if e.rule != "file-replaced" or attempt == _REOPEN_ATTEMPTS - 1:
+                    raise
+    return wrapper
+
+
 class Landing:
     """A load plan in flight: per-destination readiness, cancellation, one wait for all."""
 
     def __init__(self, plan: LoadPlan, sources: list[FileSource], buffers: list[Buffer],
-                 s: _settings.Settings, keepalive: Any = None) -> None:
+                 s: _settings.Settings, keepalive: Any = None, verifier: Verifier | None = None) -> None:
         self.plan = plan
+        self.verifier = verifier
         self.buffers = buffers
         self.sources = sources
         self._lock = threading.Lock()
@@ -84,7 +108,8 @@ class Landing:
 
     def _work(self, worker: int, chunk):
         buf = self.buffers[chunk.dest]
-        return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf)
+        inspect = self.verifier.inspector(chunk.dest, chunk.run) if self.verifier is not None else None
+        return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect)
 
     def _on_done(self, i: int, chunk, event) -> None:
         with self._lock:
@@ -113,9 +138,16 @@ class Landing:
             self._drain()
             raise
         self._drain()
+        self._check_unchanged()
         elapsed = time.perf_counter() - self.started
         if elapsed > 0:
             log.debug("load: %.3f s, %.2f GB/s", elapsed, self.plan.nbytes / elapsed / 1e9)
+
+    def _check_unchanged(self) -> None:
+        """A file rewritten or resized while it was read may have fed us a mix of two versions."""
+        for src in self.sources:
+            if src.fd >= 0:
+                src.check_unchanged()
 
     def _drain(self) -> None:
         for dev in self._targets:
@@ -138,6 +170,15 @@ def _allocate(framework, dests, device: Device) -> tuple[list, list[Buffer]]:
         arrays.append(arr)
         buffers.append(framework.buffer(arr))
     return arrays, buffers
+
+
+def _plan(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, verify: bool):
+    """The load plan; with ``verify``, chunks cut on checksum blocks and a Verifier to check them."""
+    if not verify:
+        return plan_load(sels, s.chunk_bytes), s, None
+    verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels])
+    s = verifier.settings(s)
+    return plan_load(sels, s.chunk_bytes, granule=verifier.granule), s, verifier
 
 
 def _selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | None = None) -> list[Selection]:
@@ -191,12 +232,15 @@ class LoadHandle:
             self._on_close()
 
 
+@_reopen_if_replaced
 def load_file(source, device="cpu", framework: str | None = None, names: Names = None, *,
-              background: bool = False, **options) -> dict[str, Any] | LoadHandle:
+              background: bool = False, verify: bool = False, **options) -> dict[str, Any] | LoadHandle:
     """Load the selected tensors of a checkpoint; returns ``{name: array}``.
 
     ``source`` is a file, a list of files, an index.json or a directory. Unselected bytes are
-    never read. With ``background=True`` returns a ``LoadHandle`` at once.
+    never read. With ``background=True`` returns a ``LoadHandle`` at once. With ``verify=True``
+    every tensor is checked against the digests saved with it (``save_file(checksum=...)``) as
+    its chunks land; a mismatch raises ChecksumError and nothing is returned.
     """
     s = _settings.merge(**options)
     dev = parse_device(device)
@@ -204,11 +248,11 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     fw = get_framework(framework, dev)
     ck = open_checkpoint(source)
     chosen = select(ck, names)
-    plan = plan_load(_selections(ck, chosen), s.chunk_bytes)
+    plan, s, verifier = _plan(ck, _selections(ck, chosen), s, verify)
     arrays, buffers = _allocate(fw, plan.destinations, dev)
     sources = open_sources(ck, s)
     try:
-        landing = Landing(plan, sources, buffers, s, keepalive=arrays)
+        landing = Landing(plan, sources, buffers, s, keepalive=arrays, verifier=verifier)
     except BaseException:
         _close_all(sources)
         raise
@@ -216,13 +260,16 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     return handle if background else handle.result()
 
 
-def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **options) -> dict[str, str] | None:
+@_reopen_if_replaced
+def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, verify: bool = False,
+              **options) -> dict[str, str] | None:
     """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata.
 
     Every name, shape and dtype is checked before any byte is written; a mismatch (and, with
     ``strict``, a missing or unexpected name) raises StoreMismatchError listing them all, with
     the store untouched. With ``strict=False`` missing/unexpected names are skipped and reported
-    as a LoadIntoWarning.
+    as a LoadIntoWarning. With ``verify=True`` each tensor is checked against its saved digest as it
+    lands; on a mismatch ChecksumError is raised and the store's contents are unspecified.
     """
     s = _settings.merge(**options)
     ck = open_checkpoint(source)
@@ -258,10 +305,10 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, **op
         raise StoreMismatchError(problems, missing=missing, unexpected=unexpected)
     if missing or unexpected:
         warnings.warn(LoadIntoWarning(missing, unexpected), stacklevel=2)
-    plan = plan_load(_selections(ck, names), s.chunk_bytes)
+    plan, s, verifier = _plan(ck, _selections(ck, names), s, verify)
     sources = open_sources(ck, s)
     try:
-        Landing(plan, sources, buffers, s, keepalive=store).finish()
+        Landing(plan, sources, buffers, s, keepalive=store, verifier=verifier).finish()
     finally:
         _close_all(sources)
     return ck.metadata()
@@ -297,10 +344,14 @@ class safe_open:
     """Drop-in for ``safetensors.safe_open``: lazy, random access to one checkpoint.
 
     ``with safe_open(path, framework="pt", device="cuda:0") as f: f.get_tensor(name)``.
-    Arrays returned stay valid after the handle is closed.
+    Arrays returned stay valid after the handle is closed. With ``verify=True`` whole tensors are
+    checked against their saved digests (a slice cannot be, and is refused).
     """
 
-    def __init__(self, filename, framework: str | None = None, device="cpu", **options) -> None:
+    @_reopen_if_replaced
+    def __init__(self, filename, framework: str | None = None, device="cpu", *, verify: bool = False,
+                 **options) -> None:
+        self._verify = verify
         self._s = _settings.merge(**options)
         self._dev = parse_device(device)
         check_device(self._dev)
@@ -352,9 +403,9 @@ class safe_open:
 
     def _start(self, names: list[str], indices=None):
         self._check()
-        plan = plan_load(_selections(self._ck, names, indices), self._s.chunk_bytes)
+        plan, s, verifier = _plan(self._ck, _selections(self._ck, names, indices), self._s, self._verify)
         arrays, buffers = _allocate(self._fw, plan.destinations, self._dev)
-        return Landing(plan, self._sources, buffers, self._s, keepalive=arrays), arrays
+        return Landing(plan, self._sources, buffers, s, keepalive=arrays, verifier=verifier), arrays
 
     def _load(self, names: list[str], indices=None) -> list:
         landing, arrays = self._start(names, indices)

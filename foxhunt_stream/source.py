@@ -32,11 +32,17 @@ BACKENDS = ("pread", "mmap", "direct")
 fault_hook: Callable[["FileSource", int, int], int | None] | None = None
 
 
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when a file is replaced (rename over it) or rewritten: device, inode, size, mtime."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class FileSource:
     """An open file, read with positional reads. Thread-safe: reads share no file position."""
 
     backend = "pread"
     direct_reads = True   # can read straight into any host buffer (no alignment constraints)
+    identity: tuple | None = None   # file_identity when its header was read (set by the loader)
 
     def __init__(self, path: str | os.PathLike, expected_size: int | None = None) -> None:
         self.path = os.fspath(path)
@@ -57,12 +63,32 @@ class FileSource:
                            f"read of {want} bytes at offset {offset} returned only {got}: the file is shorter "
                            "than its header says (truncated or changed while loading?)", path=self.path)
 
+    def _inject(self, offset: int, length: int) -> int | None:
+        """Run the test-only fault hook; an OSError it raises reports like a failed read."""
+        try:
+            return fault_hook(self, offset, length)
+        except OSError as e:
+            raise OSError(e.errno, f"{self.path}: read of {length} bytes at offset {offset} failed: "
+                                   f"{e.strerror}") from e
+
+    def check_unchanged(self, rule: str = "file-changed") -> None:
+        """FormatError ``rule`` unless the open file is still the one its header was read from:
+        not replaced before it was opened, not resized or rewritten since."""
+        now = os.fstat(self.fd)
+        if self.identity is not None:
+            changed = file_identity(now) != self.identity
+        else:
+            changed = self.expected_size is not None and now.st_size != self.expected_size
+        if changed:
+            raise FormatError(rule, "the file changed since its header was read (replaced, rewritten or "
+                              f"resized: now {now.st_size} bytes); load it again", path=self.path)
+
     def read_into(self, out: np.ndarray, offset: int) -> None:
         """Fill ``out`` (a contiguous uint8 array) with the bytes at ``offset``."""
         want = out.nbytes
         limit = want
         if fault_hook is not None:
-            r = fault_hook(self, offset, want)
+            r = self._inject(offset, want)
             if r is not None:
                 limit = r
         mv = memoryview(out).cast("B")
@@ -117,7 +143,7 @@ class MmapSource(FileSource):
         want = out.nbytes
         limit = want
         if fault_hook is not None:
-            r = fault_hook(self, offset, want)
+            r = self._inject(offset, want)
             if r is not None:
                 limit = r
         if offset + want > min(self.size(), self._array.size) or limit < want:
@@ -159,9 +185,9 @@ class DirectSource(FileSource):
             raise ValueError("scratch buffer too small for an aligned direct read")
         limit = hi - lo
         if fault_hook is not None:
-            r = fault_hook(self, offset, length)
+            r = self._inject(offset, length)
             if r is not None:
-                limit = min(limit, r + (offset - lo))
+                limit = min(limit, (r + (offset - lo)) // ALIGN * ALIGN)   # O_DIRECT lengths stay aligned
         mv = memoryview(buf).cast("B")
         got = 0
         need = offset + length - lo

@@ -9,7 +9,8 @@ and write them back just as fast.
 from . import settings
 from .checkpoint import read_header
 from .device import DeviceError
-from .errors import DeviceOutOfMemoryError, FormatError, StoreMismatchError
+from .errors import ChecksumError, DeviceOutOfMemoryError, FormatError, StoreMismatchError
+from .integrity import VerifyReport, verify
 from .loader import LoadHandle, LoadIntoWarning, load_file, load_into, safe_open
 from .saver import save_file
 from .shard import Shard
@@ -20,5 +21,5 @@ __version__ = "0.1.0"
 __all__ = [
     "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
     "safe_open", "load_file", "load_into", "save_file", "Shard", "LoadHandle", "read_header", "clean_stale_temps",
-    "settings", "__version__",
+    "settings", "__version__", "ChecksumError", "verify", "VerifyReport",
 ]

@@ -6,6 +6,7 @@ front ends over one ``Landing``: a plan being executed by the pipeline into dest
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -16,8 +17,9 @@ from . import settings as _settings
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
 from .device import CPU, Device, check_device, context, parse_device
 from .dtypes import DType, host_shape
-from .errors import StoreMismatchError
+from .errors import FormatError, StoreMismatchError
 from .frameworks import Buffer, expected_host_dtype, framework_of, get_framework
+from .integrity import Verifier
 from .pipeline import Job
 from .plan import LoadPlan, Selection, plan_load
 from .shard import Shard, indices_for, shard_shape
@@ -47,8 +49,11 @@ def _backend_for(path: str, s: _settings.Settings) -> str:
 def open_sources(ck: Checkpoint, s: _settings.Settings) -> list[FileSource]:
     out = []
     try:
-        for p, h in zip(ck.paths, ck.headers):
+        for i, (p, h) in enumerate(zip(ck.paths, ck.headers)):
             out.append(open_source(p, _backend_for(p, s), h.file_size))
+            if ck.identities:   # the file opened must be the one whose header we hold
+                out[-1].identity = ck.identities[i]
+                out[-1].check_unchanged("file-replaced")
     except BaseException:
         for src in out:
             src.close()
@@ -109,12 +114,31 @@ class Destinations:
         self.buffers = [None] * len(self.buffers)
 
 
+_REOPEN_ATTEMPTS = 3
+
+
+def _reopen_if_replaced(fn):
+    """Start a load over when a file was replaced between its header read and its opening (a
+    concurrent atomic save renamed a new version over it): the new version is read from scratch.
+    Nothing has been allocated on a device or written to a store by then."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for attempt in range(_REOPEN_ATTEMPTS):
+            try:
+                return fn(*args, **kwargs)
+            except FormatError as e:
+                if e.rule != "file-replaced" or attempt == _REOPEN_ATTEMPTS - 1:
+                    raise
+    return wrapper
+
+
 class Landing:
     """A load plan in flight: per-destination readiness, cancellation, one wait for all."""
 
     def __init__(self, plan: LoadPlan, sources: list[FileSource], dests: Destinations,
-                 s: _settings.Settings, keepalive: Any = None) -> None:
+                 s: _settings.Settings, keepalive: Any = None, verifier: Verifier | None = None) -> None:
         self.plan = plan
+        self.verifier = verifier
         self.dests = dests
         self.sources = sources
         self._lock = threading.Lock()
@@ -139,7 +163,8 @@ class Landing:
 
     def _work(self, worker: int, chunk):
         buf = self.dests.buffer(chunk.dest)
-        return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf)
+        inspect = self.verifier.inspector(chunk.dest, chunk.run) if self.verifier is not None else None
+        return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect)
 
     def _on_done(self, i: int, chunk, event) -> None:
         with self._lock:
@@ -169,9 +194,16 @@ class Landing:
             self.dests.release()
             raise
         self._drain()
+        self._check_unchanged()
         elapsed = time.perf_counter() - self.started
         if elapsed > 0:
             log.debug("load: %.3f s, %.2f GB/s", elapsed, self.plan.nbytes / elapsed / 1e9)
+
+    def _check_unchanged(self) -> None:
+        """A file rewritten or resized while it was read may have fed us a mix of two versions."""
+        for src in self.sources:
+            if src.fd >= 0:
+                src.check_unchanged()
 
     def _drain(self) -> None:
         for dev in self._targets:
@@ -185,6 +217,15 @@ class Landing:
 def _close_all(sources):
     for src in sources:
         src.close()
+
+
+def _plan(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, verify: bool):
+    """The load plan; with ``verify``, chunks cut on checksum blocks and a Verifier to check them."""
+    if not verify:
+        return plan_load(sels, s.chunk_bytes), s, None
+    verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels])
+    s = verifier.settings(s)
+    return plan_load(sels, s.chunk_bytes, granule=verifier.granule), s, verifier
 
 
 def _selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | None = None) -> list[Selection]:
@@ -239,13 +280,18 @@ class LoadHandle:
             self._on_close()
 
 
+@_reopen_if_replaced
 def load_file(source, device="cpu", framework: str | None = None, names: Names = None, *,
-              background: bool = False, shard: Shard | None = None, **options) -> dict[str, Any] | LoadHandle:
+              background: bool = False, shard: Shard | None = None, verify: bool = False,
+              **options) -> dict[str, Any] | LoadHandle:
     """Load the selected tensors of a checkpoint; returns ``{name: array}``.
 
     ``source`` is a file, a list of files, an index.json or a directory. Unselected bytes are
     never read. With ``background=True`` returns a ``LoadHandle`` at once. With
-    ``shard=Shard(rank, world_size, dim)`` each array is this rank's slice of the tensor.
+    ``shard=Shard(rank, world_size, dim)`` each array is this rank's slice of the tensor. With
+    ``verify=True`` every tensor is checked against the digests saved with it
+    (``save_file(checksum=...)``) as its chunks land; a mismatch raises ChecksumError and nothing
+    is returned.
     """
     s = _settings.merge(**options)
     dev = parse_device(device)
@@ -253,10 +299,10 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     fw = get_framework(framework, dev)
     ck = open_checkpoint(source)
     chosen = select(ck, names)
-    plan = plan_load(_selections(ck, chosen, indices_for(ck, chosen, shard)), s.chunk_bytes)
+    plan, s, verifier = _plan(ck, _selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify)
     sources = open_sources(ck, s)
     try:
-        landing = Landing(plan, sources, Destinations.allocate(fw, plan, dev), s)
+        landing = Landing(plan, sources, Destinations.allocate(fw, plan, dev), s, verifier=verifier)
     except BaseException:
         _close_all(sources)
         raise
@@ -264,8 +310,9 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     return handle if background else handle.result()
 
 
+@_reopen_if_replaced
 def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, shard: Shard | None = None,
-              **options) -> dict[str, str]:
+              verify: bool = False, **options) -> dict[str, str]:
     """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata.
 
     With ``shard=Shard(rank, world_size, dim)`` the store holds this rank's slices (their
@@ -275,6 +322,8 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
     ``strict``, a missing or unexpected name) raises StoreMismatchError listing them all, with
     the store untouched. With ``strict=False`` missing/unexpected names are skipped and reported
     as a LoadIntoWarning. A file without metadata gives ``{}`` (the seed's contract: a map).
+    With ``verify=True`` each tensor is checked against its saved digest as it lands; on a
+    mismatch ChecksumError is raised and the store's contents are unspecified.
     """
     s = _settings.merge(**options)
     ck = open_checkpoint(source)
@@ -313,10 +362,11 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
         raise StoreMismatchError(problems, missing=missing, unexpected=unexpected)
     if missing or unexpected:
         warnings.warn(LoadIntoWarning(missing, unexpected), stacklevel=2)
-    plan = plan_load(_selections(ck, names, indices_for(ck, names, shard)), s.chunk_bytes)
+    plan, s, verifier = _plan(ck, _selections(ck, names, indices_for(ck, names, shard)), s, verify)
     sources = open_sources(ck, s)
     try:
-        Landing(plan, sources, Destinations.fixed(buffers, [store[n] for n in names]), s).finish()
+        Landing(plan, sources, Destinations.fixed(buffers, [store[n] for n in names]), s,
+                verifier=verifier).finish()
     finally:
         _close_all(sources)
     return metadata or {}
@@ -354,10 +404,14 @@ class safe_open:
     """Drop-in for ``safetensors.safe_open``: lazy, random access to one checkpoint.
 
     ``with safe_open(path, framework="pt", device="cuda:0") as f: f.get_tensor(name)``.
-    Arrays returned stay valid after the handle is closed.
+    Arrays returned stay valid after the handle is closed. With ``verify=True`` whole tensors are
+    checked against their saved digests (a slice cannot be, and is refused).
     """
 
-    def __init__(self, filename, framework: str | None = None, device="cpu", **options) -> None:
+    @_reopen_if_replaced
+    def __init__(self, filename, framework: str | None = None, device="cpu", *, verify: bool = False,
+                 **options) -> None:
+        self._verify = verify
         self._s = _settings.merge(**options)
         self._dev = parse_device(device)
         check_device(self._dev)
@@ -409,8 +463,8 @@ class safe_open:
 
     def _start(self, names: list[str], indices=None):
         self._check()
-        plan = plan_load(_selections(self._ck, names, indices), self._s.chunk_bytes)
-        return Landing(plan, self._sources, Destinations.allocate(self._fw, plan, self._dev), self._s)
+        plan, s, verifier = _plan(self._ck, _selections(self._ck, names, indices), self._s, self._verify)
+        return Landing(plan, self._sources, Destinations.allocate(self._fw, plan, self._dev), s, verifier=verifier)
 
     def _load(self, names: list[str], indices=None) -> list:
         landing = self._start(names, indices)

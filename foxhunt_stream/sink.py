@@ -42,7 +42,11 @@ class AtomicFile:
         """Write all of ``data`` (any buffer) at ``offset``."""
         mv = memoryview(data).cast("B")
         if fault_hook is not None:
-            fault_hook(self, offset, mv.nbytes)
+            try:
+                fault_hook(self, offset, mv.nbytes)
+            except OSError as e:   # reports like a failed pwrite
+                raise OSError(e.errno, f"{self.path}: write of {mv.nbytes} bytes at offset {offset} failed: "
+                                       f"{e.strerror}") from e
         if offset + mv.nbytes > self.size:
             raise ValueError(f"write past the planned end of {self.path}")
         done = 0
@@ -101,15 +105,17 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_small(path: str | os.PathLike, data: bytes, fsync: bool = True) -> None:
-    """Atomically write a small file (an index.json)."""
+def write_small(path: str | os.PathLike, data: bytes, fsync: bool = True, commit: bool = True) -> AtomicFile:
+    """Atomically write a small file (an index.json); ``commit=False`` leaves the commit to the caller."""
     f = AtomicFile(path, len(data), fsync)
     try:
         f.write_at(data, 0)
     except BaseException:
         f.abort()
         raise
-    f.commit()
+    if commit:
+        f.commit()
+    return f
 
 
 def _pid_alive(pid: int) -> bool:

@@ -291,9 +291,10 @@ def bench_hot_loads(paths, total, directory, sweep):
         RESULTS["fs_hot"][fw] = g
     if sweep:
         best = (0, None)
-        for backend in ("pread", "mmap"):
-            for threads in (12, 16):
-                for chunk in (4, 8, 16, 32):
+        grid = os.environ.get("FH_SWEEP", "pread:16:8,pread:16:16,pread:12:16,mmap:16:8,mmap:16:16")
+        for backend, threads, chunk in (tuple(g.split(":")) for g in grid.split(",")):
+            threads, chunk = int(threads), int(chunk)
+            if True:
                     opts = dict(backend=backend, threads=threads, chunk_bytes=chunk << 20,
                                 staging_bytes=max(512, 2 * threads * chunk) << 20, direct_io="off")
                     out, ts = timed_load(src, "pt", reps=2, **opts)

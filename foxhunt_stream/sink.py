@@ -48,6 +48,22 @@ def _fallocate(fd: int, size: int) -> bool:
     raise OSError(err, os.strerror(err))
 
 
+def _in_memory_fs(directory: str) -> bool:
+    """Whether ``directory`` is on tmpfs/ramfs (from /proc/self/mountinfo; False if unknown)."""
+    try:
+        real = os.path.realpath(directory)
+        best, fstype = "", ""
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                mount = left.split()[4].replace("\\040", " ")
+                if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+                    best, fstype = mount, right.split()[0]
+        return fstype in ("tmpfs", "ramfs")
+    except (OSError, IndexError):
+        return False
+
+
 class AtomicFile:
     """Write a file of known size at ``path`` through a temp file; ``commit`` publishes it.
 
@@ -56,7 +72,10 @@ class AtomicFile:
     fallocate (a full disk or a size limit fails here, cleanly, instead of as SIGBUS later), then
     threads copy into a shared mapping in parallel; measured on the H200 machine, a fresh
     /dev/shm file took 2.5-3.0 GB/s by pwrite and 5.3-6.0 GB/s by mmap (benchmarks/RESULTS.md).
-    ``auto`` maps files of at least 64 MiB where fallocate works, and uses pwrite otherwise.
+    Each write maps only its own window and unmaps it at once, so the process's RSS stays flat.
+    ``auto`` maps files of at least 64 MiB that go to memory (tmpfs, or ``fsync=False``) where
+    fallocate works; files bound for a disk with fsync use pwrite (the disk is the wall there,
+    and pwrite measured slightly faster).
     """
 
     def __init__(self, path: str | os.PathLike, size: int, fsync: bool = True, backend: str = "auto") -> None:
@@ -71,15 +90,13 @@ class AtomicFile:
         self.tmp = os.path.join(directory, f".{os.path.basename(self.path)}{TEMP_MARK}{os.getpid()}."
                                            f"{secrets.token_hex(4)}")
         mode = 0o666 & ~_umask()
-        self._map = None
-        self._array = None
+        self._mapped = False
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
         try:
-            want_map = backend == "mmap" or (backend == "auto" and size >= MAP_MIN_BYTES)
-            if want_map and size and _fallocate(self.fd, size):
-                self._map = mmap.mmap(self.fd, size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                self._array = np.frombuffer(self._map, np.uint8)
-            else:
+            want_map = backend == "mmap" or (backend == "auto" and size >= MAP_MIN_BYTES
+                                             and (not fsync or _in_memory_fs(directory)))
+            self._mapped = bool(want_map and size and _fallocate(self.fd, size))
+            if not self._mapped:
                 os.ftruncate(self.fd, size)
         except OSError as e:
             self.abort()
@@ -90,7 +107,7 @@ class AtomicFile:
 
     @property
     def backend(self) -> str:
-        return "mmap" if self._array is not None else "pwrite"
+        return "mmap" if self._mapped else "pwrite"
 
     def write_at(self, data, offset: int) -> None:
         """Write all of ``data`` (any buffer) at ``offset``."""
@@ -103,8 +120,15 @@ class AtomicFile:
                                        f"{e.strerror}") from e
         if offset + mv.nbytes > self.size:
             raise ValueError(f"write past the planned end of {self.path}")
-        if self._array is not None:   # space reserved by fallocate: a plain parallel copy
-            np.copyto(self._array[offset:offset + mv.nbytes], np.frombuffer(mv, np.uint8))
+        if self._mapped:   # space reserved by fallocate: map just this window and copy into it
+            lo = offset - offset % mmap.ALLOCATIONGRANULARITY
+            window = mmap.mmap(self.fd, offset + mv.nbytes - lo, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=lo)
+            try:
+                dst = np.frombuffer(window, np.uint8, mv.nbytes, offset - lo)
+                np.copyto(dst, np.frombuffer(mv, np.uint8))
+                del dst
+            finally:
+                window.close()   # unmapped at once: the pages stay in the page cache, not in our RSS
             return
         done = 0
         while done < mv.nbytes:
@@ -117,20 +141,10 @@ class AtomicFile:
                 raise OSError(errno.EIO, f"{self.path}: write made no progress at offset {offset + done}")
             done += n
 
-    def _unmap(self) -> None:
-        if self._map is not None:
-            self._array = None
-            try:
-                self._map.close()
-            except BufferError:   # a view is still alive: the GC unmaps it later
-                pass
-            self._map = None
-
     def commit(self) -> None:
         try:
-            self._unmap()
             if self.fsync:
-                os.fsync(self.fd)   # also writes back the pages dirtied through the mapping
+                os.fsync(self.fd)   # also writes back the pages dirtied through mappings
             os.close(self.fd)
             self.fd = -1
             os.replace(self.tmp, self.path)
@@ -141,7 +155,6 @@ class AtomicFile:
             _fsync_dir(os.path.dirname(self.path))
 
     def abort(self) -> None:
-        self._unmap()
         if self.fd >= 0:
             try:
                 os.close(self.fd)

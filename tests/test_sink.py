@@ -92,3 +92,27 @@ def test_mmap_backend_size_limit_fails_before_writing(tmp_path):
 def test_unknown_write_backend_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="write_backend"):
         fs.save_file({"a": np.ones(3)}, tmp_path / "x.safetensors", write_backend="fast")
+
+
+def test_mmap_backend_keeps_rss_flat(tmp_path):
+    """Mapped writes unmap each window at once: saving 256 MiB grows peak RSS by far less."""
+    script = textwrap.dedent("""
+        import sys, numpy as np
+        import foxhunt_stream as fs
+        def status(key):
+            for line in open('/proc/self/status'):
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        t = {f"w{i}": np.full((1024, 8192), i, np.float32) for i in range(8)}   # 256 MiB, resident
+        fs.save_file({"warm": np.ones(4, np.float32)}, sys.argv[1] + ".warm", write_backend="mmap")
+        base = status("VmRSS")
+        open('/proc/self/clear_refs', 'w').write('5')
+        fs.save_file(t, sys.argv[1], write_backend="mmap", fsync=False)
+        print(status("VmHWM") - base)
+    """)
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "x.safetensors")], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.strip()) < 64 << 20
+    back = fs.load_file(tmp_path / "x.safetensors", names=["w7"])
+    assert float(back["w7"][5, 5]) == 7.0

@@ -81,6 +81,8 @@ class Fuzzer:
             dt = self.retime(data)
             if dt > self.slowest_retimed[0]:
                 self.slowest_retimed = (dt, len(data))
+                with open(os.path.join(self.args.artifacts, "slowest-input.bin"), "wb") as f:
+                    f.write(data)
             if dt > self.args.slow:
                 self.found("slow", data, f"{dt:.3f} s")
         if isinstance(verdict, self.Header):

@@ -1,0 +1,165 @@
+"""Settings: defaults in code, FOXHUNT_* environment overrides validated loudly, per-call
+options checked at every front end, and ``settings.override`` blocks that restore."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+
+import numpy as np
+import pytest
+import safetensors.numpy as stn
+
+import foxhunt_stream as fs
+from foxhunt_stream import settings
+
+VALID = "backend, chunk_bytes, direct_io, staging_bytes, threads"
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = tmp_path / "m.safetensors"
+    stn.save_file({"x": np.arange(1000, dtype=np.float32)}, str(path))
+    return path
+
+
+def fresh(fn, *a, **k):
+    """Run ``fn`` in an empty context, so settings are read from the environment again."""
+    return contextvars.Context().run(fn, *a, **k)
+
+
+# ---------------------------------------------------------------- per-call options
+
+def test_unknown_option_is_type_error_listing_valid_ones_everywhere(ckpt, tmp_path):
+    calls = {
+        "load_file": lambda: fs.load_file(ckpt, thread=2),
+        "safe_open": lambda: fs.safe_open(ckpt, framework="numpy", thread=2),
+        "load_into": lambda: fs.load_into({"x": np.zeros(1000, np.float32)}, ckpt, thread=2),
+        "save_file": lambda: fs.save_file({"x": np.ones(2, np.float32)}, tmp_path / "o.safetensors", thread=2),
+        "override": lambda: settings.override(thread=2).__enter__(),
+        "merge": lambda: settings.merge(thread=2),
+    }
+    for where, call in calls.items():
+        with pytest.raises(TypeError) as ei:
+            call()
+        assert "thread" in str(ei.value) and VALID in str(ei.value), where
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(threads=-1), "threads"),
+    (dict(threads=True), "threads"),
+    (dict(threads=2.5), "threads"),
+    (dict(threads="many"), "threads"),
+    (dict(chunk_bytes="lots"), "not a size"),
+    (dict(chunk_bytes=100), "chunk_bytes"),
+    (dict(chunk_bytes=-5), "non-negative"),
+    (dict(chunk_bytes="1MiB", staging_bytes="512KiB"), "staging_bytes"),
+    (dict(backend="aio"), "pread, mmap, direct"),
+    (dict(direct_io="maybe"), "direct_io"),
+])
+def test_bad_option_values_are_value_errors(ckpt, options, match):
+    with pytest.raises(ValueError, match=match):
+        settings.merge(**options)
+    with pytest.raises(ValueError, match=match):
+        fs.load_file(ckpt, **options)
+
+
+def test_option_coercion():
+    s = settings.merge(threads="3", chunk_bytes="1MiB", staging_bytes="8MB", direct_io=False)
+    assert (s.threads, s.chunk_bytes, s.staging_bytes, s.direct_io) == (3, 1 << 20, 8_000_000, "off")
+    assert settings.merge(direct_io=True).direct_io == "on"
+    assert settings.merge(threads=None).threads == settings.merge().threads   # None = keep the default
+    assert settings.merge().threads >= 1                                       # 0 resolves to the CPU count
+
+
+def test_options_take_effect(ckpt, caplog):
+    """The backend option reaches the sources (the loader logs which ones it used)."""
+    with caplog.at_level(logging.DEBUG, logger="foxhunt_stream"):
+        fs.load_file(ckpt, backend="mmap", direct_io="off", threads=1, chunk_bytes=4096)
+    msgs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("load:")]
+    assert any("['mmap']" in m and "1 threads" in m and "chunk 4096" in m for m in msgs), msgs
+
+
+# ---------------------------------------------------------------- environment
+
+def test_env_overrides_defaults(monkeypatch):
+    monkeypatch.setenv("FOXHUNT_THREADS", "3")
+    monkeypatch.setenv("FOXHUNT_CHUNK_BYTES", "1MiB")
+    monkeypatch.setenv("FOXHUNT_BACKEND", "mmap")
+    monkeypatch.setenv("FOXHUNT_DIRECT_IO", "off")
+    s = fresh(settings.merge)
+    assert (s.threads, s.chunk_bytes, s.backend, s.direct_io) == (3, 1 << 20, "mmap", "off")
+    # a per-call option beats the environment
+    assert fresh(settings.merge, threads=5, backend="pread").threads == 5
+
+
+@pytest.mark.parametrize("var, value", [
+    ("FOXHUNT_THREADS", "lots"),
+    ("FOXHUNT_THREADS", "-2"),
+    ("FOXHUNT_CHUNK_BYTES", "16 furlongs"),
+    ("FOXHUNT_CHUNK_BYTES", "12"),
+    ("FOXHUNT_BACKEND", "io_uring"),
+    ("FOXHUNT_DIRECT_IO", "yes"),
+])
+def test_bad_env_is_loud(ckpt, monkeypatch, var, value):
+    """A bad FOXHUNT_* value fails the first call that reads settings, naming the variable or the
+    setting, instead of being ignored."""
+    monkeypatch.setenv(var, value)
+    setting = var.removeprefix("FOXHUNT_").lower()
+    with pytest.raises(ValueError) as ei:
+        fresh(fs.load_file, ckpt)
+    assert var in str(ei.value) or setting in str(ei.value)
+    assert value in str(ei.value)
+
+
+def test_env_is_read_once_per_context(monkeypatch):
+    """Defaults are read once (like KvikIO); a later change of the environment needs a new context."""
+    def both():
+        first = settings.merge().chunk_bytes
+        monkeypatch.setenv("FOXHUNT_CHUNK_BYTES", "2MiB")
+        return first, settings.merge().chunk_bytes
+    monkeypatch.setenv("FOXHUNT_CHUNK_BYTES", "1MiB")
+    assert fresh(both) == (1 << 20, 1 << 20)
+    assert fresh(settings.merge).chunk_bytes == 2 << 20
+
+
+# ---------------------------------------------------------------- override
+
+def test_override_applies_and_restores():
+    base = settings.current()
+    with settings.override(threads=2, chunk_bytes="64KiB") as s:
+        assert (s.threads, s.chunk_bytes) == (2, 64 << 10)
+        assert settings.merge().chunk_bytes == 64 << 10
+        assert settings.merge(chunk_bytes=8192).chunk_bytes == 8192   # per call beats the block
+        with settings.override(threads=1):
+            assert settings.current().threads == 1
+            assert settings.current().chunk_bytes == 64 << 10          # nested blocks stack
+        assert settings.current().threads == 2
+    assert settings.current() == base
+
+
+def test_override_restores_after_exception():
+    base = settings.current()
+    with pytest.raises(RuntimeError):
+        with settings.override(backend="mmap"):
+            assert settings.current().backend == "mmap"
+            raise RuntimeError("inside")
+    assert settings.current() == base
+
+
+def test_override_bad_value_changes_nothing():
+    base = settings.current()
+    with pytest.raises(ValueError):
+        with settings.override(backend="nope"):
+            pass
+    assert settings.current() == base
+
+
+def test_override_beats_env(monkeypatch):
+    monkeypatch.setenv("FOXHUNT_THREADS", "3")
+
+    def inner():
+        with settings.override(threads=4):
+            return settings.merge().threads
+    assert fresh(inner) == 4

@@ -317,6 +317,7 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     return handle if background else handle.result()
 
 
+@_reopen_if_replaced
 def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, shard: Shard | None = None,
               verify: bool = False, names: Names = None, **options) -> dict[str, str]:
     """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata.

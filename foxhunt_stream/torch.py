@@ -202,6 +202,7 @@ def materialize(model: torch.nn.Module, device: str | int | torch.device = "cpu"
 _materialize = materialize   # load_model's keyword of the same name hides it there
 
 
+@_loader._reopen_if_replaced   # a file replaced under us: start over from the new headers
 def load_model(model: torch.nn.Module, filename: str | os.PathLike, strict: bool = True,
                device: str | int | torch.device | None = "cpu", *, materialize: bool = False,
                **options) -> tuple[set[str], list[str]]:

@@ -184,6 +184,8 @@ def open_checkpoint(source) -> Checkpoint:
     With an index, the index and the headers must agree exactly: every listed tensor is in
     the shard the index names, and every shard tensor is listed.
     """
+    if isinstance(source, Checkpoint):   # already open (callers that inspect names first)
+        return source
     paths, weight_map, index_meta, index_path = resolve(source)
     read = [_read_header(p) for p in paths]
     headers = [h for h, _ in read]

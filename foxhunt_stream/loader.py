@@ -22,6 +22,7 @@ from .frameworks import Buffer, expected_host_dtype, framework_of, get_framework
 from .integrity import Verifier
 from .pipeline import Job
 from .plan import LoadPlan, Selection, plan_load
+from .prefetch import warming
 from .shard import Shard, indices_for, shard_shape
 from .source import FileSource, open_source, resident_fraction
 from .target import CudaTarget, HostTarget
@@ -41,7 +42,8 @@ class LoadIntoWarning(UserWarning):
 def _backend_for(path: str, s: _settings.Settings) -> str:
     if s.direct_io == "on":
         return "direct"
-    if s.direct_io == "auto" and resident_fraction(path) < 0.5:
+    # a file that a prefetch is filling into the page cache is read through it, not around it
+    if s.direct_io == "auto" and not warming(path) and resident_fraction(path) < 0.5:
         return "direct"
     return s.backend
 
@@ -248,7 +250,12 @@ class LoadHandle:
         self._closed = False
 
     def wait(self, name: str):
-        self._landing.wait_dest(self._pos[name])
+        try:
+            self._landing.wait_dest(self._pos[name])
+        except BaseException:
+            if self._landing.job.done():   # failed or cancelled: release the files now
+                self._close()
+            raise
         return self._landing.dests.array(self._pos[name])
 
     def done(self) -> bool:
@@ -312,7 +319,7 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
 
 @_reopen_if_replaced
 def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, shard: Shard | None = None,
-              verify: bool = False, **options) -> dict[str, str]:
+              verify: bool = False, names: Names = None, **options) -> dict[str, str]:
     """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata.
 
     With ``shard=Shard(rank, world_size, dim)`` the store holds this rank's slices (their
@@ -323,16 +330,20 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
     the store untouched. With ``strict=False`` missing/unexpected names are skipped and reported
     as a LoadIntoWarning. A file without metadata gives ``{}`` (the seed's contract: a map).
     With ``verify=True`` each tensor is checked against its saved digest as it lands; on a
-    mismatch ChecksumError is raised and the store's contents are unspecified.
+    mismatch ChecksumError is raised and the store's contents are unspecified. ``names`` (as in
+    load_file) limits which checkpoint tensors are considered at all; the others are neither
+    read nor reported.
     """
     s = _settings.merge(**options)
     ck = open_checkpoint(source)
     metadata = ck.metadata()   # a conflict is an error before any byte lands
-    missing = [n for n in store.keys() if n not in ck.names]
-    unexpected = [n for n in ck.file_order() if n not in store]
+    considered = select(ck, names)
+    in_file = set(considered) if names is not None else ck.names
+    missing = [n for n in store.keys() if n not in in_file]
+    unexpected = [n for n in considered if n not in store]
     problems = []
-    names, buffers = [], []
-    for n in ck.file_order():
+    chosen, buffers = [], []
+    for n in considered:
         if n not in store:
             continue
         arr = store[n]
@@ -352,7 +363,7 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
             try:
                 check_device(dev)
                 buffers.append(fw.buffer(arr))
-                names.append(n)
+                chosen.append(n)
             except ValueError as e:
                 problems.append(f"{n}: {e}")
     if strict:
@@ -362,10 +373,10 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
         raise StoreMismatchError(problems, missing=missing, unexpected=unexpected)
     if missing or unexpected:
         warnings.warn(LoadIntoWarning(missing, unexpected), stacklevel=2)
-    plan, s, verifier = _plan(ck, _selections(ck, names, indices_for(ck, names, shard)), s, verify)
+    plan, s, verifier = _plan(ck, _selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify)
     sources = open_sources(ck, s)
     try:
-        Landing(plan, sources, Destinations.fixed(buffers, [store[n] for n in names]), s,
+        Landing(plan, sources, Destinations.fixed(buffers, [store[n] for n in chosen]), s,
                 verifier=verifier).finish()
     finally:
         _close_all(sources)

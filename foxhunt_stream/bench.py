@@ -38,7 +38,7 @@ from .saver import split_shards
 from .sink import AtomicFile
 from .source import FileSource, resident_fraction
 
-DEFAULT_SIZE = 1 << 30
+DEFAULT_SIZE = {"cpu": 1 << 30, "cuda": 8 << 30}   # GPU figures want >= 8 GiB (DESIGN.md)
 
 
 # ---------------------------------------------------------------- results
@@ -124,7 +124,7 @@ def _fmt_bytes(n: float) -> str:
 def llama_shapes(size_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
     """Tensor names and shapes of a Llama-like model of about ``size_bytes`` in bf16: the widest
     hidden size that still gives at least eight layers, grouped-query attention (kv = h/4),
-    MLP width ~8h/3, vocabulary up to 32000, and as many layers as fit."""
+    MLP width ~8h/3, as many layers as fit, and a vocabulary (32000 to 128256) filling the rest."""
     def layer_elems(h: int) -> int:
         inter = _inter(h)
         return h * h * 2 + 2 * (h // 4) * h + 3 * h * inter + 2 * h
@@ -135,8 +135,10 @@ def llama_shapes(size_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
             h = cand
             break
     vocab = max(64, min(32000, size_bytes // 8 // (2 * h) // 64 * 64))
-    fixed = 2 * (2 * vocab * h) + 2 * h
-    layers = max(1, (size_bytes - fixed) // (2 * layer_elems(h)))
+    layers = max(1, (size_bytes - 2 * (2 * vocab * h) - 2 * h) // (2 * layer_elems(h)))
+    # Then the vocabulary takes up the rest (up to Llama 3's 128256), to land close to the size asked.
+    rest = size_bytes - layers * 2 * layer_elems(h) - 2 * h
+    vocab = max(vocab, min(128256, rest // (4 * h) // 64 * 64))
     kv, inter = h // 4, _inter(h)
     out = [("model.embed_tokens.weight", (vocab, h))]
     for i in range(layers):
@@ -293,9 +295,19 @@ def write_ceiling(directory: str, nbytes: int, threads: int, reps: int, chunk: i
         except BaseException:
             sink.abort()
             raise
-        os.unlink(path)
 
-    return _measure(once, reps, warmup=1)
+    try:
+        return _measure(once, reps, lambda: _settle(path))
+    finally:
+        _settle(path)
+
+
+def _settle(path: str) -> None:
+    """Before a timed write: remove the last one's output and flush dirty pages, so the write
+    pays neither for deleting its predecessor nor for its writeback."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.sync()
 
 
 # ---------------------------------------------------------------- GPU pieces (cupy)
@@ -454,10 +466,11 @@ def pick_device(device: str | None) -> Device:
     return dev
 
 
-def run(source=None, *, device: str | None = None, size: int | str = DEFAULT_SIZE, shards: int = 1,
+def run(source=None, *, device: str | None = None, size: int | str | None = None, shards: int = 1,
         cold: bool = False, peers: bool = False, reps: int = 3, saves: bool = True, workdir: str | None = None,
         log: Callable[[str], None] | None = None, **options) -> Report:
-    """Run the benchmark and return its Report (``Report.table()`` prints it)."""
+    """Run the benchmark and return its Report (``Report.table()`` prints it). ``size`` (synthetic
+    checkpoint only) defaults to 1 GiB on the CPU and 8 GiB on a GPU."""
     say = log or (lambda msg: None)
     dev = pick_device(device)
     s = _settings.merge(**options)
@@ -466,7 +479,7 @@ def run(source=None, *, device: str | None = None, size: int | str = DEFAULT_SIZ
         raise ValueError("reps must be at least 1")
     with _workdir(workdir) as tmp, _settings.override(**options):
         if source is None:
-            size_b = _settings.parse_size(size)
+            size_b = _settings.parse_size(size) if size is not None else DEFAULT_SIZE[dev.kind]
             say(f"writing a synthetic {_fmt_bytes(size_b)} bf16 checkpoint in {tmp} ...")
             ckpt_dir = os.path.join(tmp, "ckpt")
             os.makedirs(ckpt_dir)
@@ -490,10 +503,6 @@ def run(source=None, *, device: str | None = None, size: int | str = DEFAULT_SIZ
         else:
             _warm(ck.paths)
         load_ceiling = _ceilings(report, ck, dev, threads, chunk, reps, before, say)
-        if saves:
-            save_ceiling = Row("ceiling", f"page cache write (pwrite, {threads} threads)", nbytes,
-                               write_ceiling(tmp, nbytes, threads, reps, chunk))
-            report.rows.append(save_ceiling)
         for name, fn, note in _loaders(ck.paths, source, dev, peers):
             say(f"measuring {name} ...")
             row = Row("load", name, nbytes, ceiling=load_ceiling, note=note)
@@ -506,6 +515,10 @@ def run(source=None, *, device: str | None = None, size: int | str = DEFAULT_SIZ
             _free_gpu(dev)
             report.rows.append(row)
         if saves:
+            save_ceiling = Row("ceiling", f"page cache write (pwrite, {threads} threads)", nbytes,
+                               write_ceiling(tmp, nbytes, threads, reps, chunk))
+            # Listed with the other ceilings, measured just before the saves (same page-cache state).
+            report.rows.insert(sum(r.group == "ceiling" for r in report.rows), save_ceiling)
             _saves(report, source, dev, reps, tmp, nbytes, save_ceiling.name, say)
     report.versions = _versions()
     return report
@@ -554,13 +567,6 @@ def _saves(report: Report, source, dev: Device, reps: int, tmp: str, nbytes: int
     framework = "pt" if (dev.is_cuda and torch is not None) else None
     tensors = fs.load_file(source, device=str(dev), framework=framework, progress=False)
     out = os.path.join(tmp, "bench-save.safetensors")
-
-    def timed(fn):
-        def once():
-            fn()
-            os.unlink(out)
-        return once
-
     rows = [("foxhunt_stream save_file", lambda: fs.save_file(tensors, out, fsync=False, progress=False),
              "no fsync")]
     if dev.is_cuda:
@@ -577,7 +583,9 @@ def _saves(report: Report, source, dev: Device, reps: int, tmp: str, nbytes: int
                  "fsync + rename"))
     for name, fn, note in rows:
         say(f"measuring {name} ...")
-        report.rows.append(Row("save", name, nbytes, _measure(timed(fn), reps), ceiling=ceiling, note=note))
+        report.rows.append(Row("save", name, nbytes, _measure(fn, reps, lambda: _settle(out)), ceiling=ceiling,
+                               note=note))
+    _settle(out)
     del tensors
     _free_gpu(dev)
 

@@ -253,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "to a temporary directory first.")
     b.add_argument("source", metavar="SOURCE", nargs="?", help="checkpoint to load (default: synthetic)")
     b.add_argument("--device", default="auto", help="cuda:N or cpu (default: cuda:0 if usable, else cpu)")
-    b.add_argument("--size", type=_size, default="1GiB", help="synthetic checkpoint size (default 1GiB)")
+    b.add_argument("--size", type=_size, default=None,
+                   help="synthetic checkpoint size, e.g. 512MiB (default: 1GiB on the CPU, 8GiB on a GPU)")
     b.add_argument("--shards", type=_positive_int, default=1, help="synthetic checkpoint shards (default 1)")
     b.add_argument("--reps", type=_positive_int, default=3, help="repetitions per figure (median; default 3)")
     b.add_argument("--threads", type=_positive_int, default=None, help="worker threads (default: per CPU)")

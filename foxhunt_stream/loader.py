@@ -23,6 +23,7 @@ from .integrity import Verifier
 from .pipeline import Job
 from .plan import LoadPlan, Selection, plan_load
 from .prefetch import warming
+from .progress import NO_PROGRESS, Progress, progress_bar
 from .shard import Shard, indices_for, shard_shape
 from .source import FileSource, open_source, resident_fraction
 from .target import CudaTarget, HostTarget
@@ -138,8 +139,10 @@ class Landing:
     """A load plan in flight: per-destination readiness, cancellation, one wait for all."""
 
     def __init__(self, plan: LoadPlan, sources: list[FileSource], dests: Destinations,
-                 s: _settings.Settings, keepalive: Any = None, verifier: Verifier | None = None) -> None:
+                 s: _settings.Settings, keepalive: Any = None, verifier: Verifier | None = None,
+                 progress: Progress = NO_PROGRESS) -> None:
         self.plan = plan
+        self.progress = progress
         self.verifier = verifier
         self.dests = dests
         self.sources = sources
@@ -175,6 +178,7 @@ class Landing:
             self._remaining[chunk.dest] -= 1
             if self._remaining[chunk.dest] == 0:
                 self._ready[chunk.dest].set()
+        self.progress.update(chunk.run.nbytes)
 
     def wait_dest(self, d: int) -> None:
         """Block until destination ``d`` has fully landed (its copies complete)."""
@@ -194,8 +198,10 @@ class Landing:
         except BaseException:
             self._drain()
             self.dests.release()
+            self.progress.close()
             raise
         self._drain()
+        self.progress.close()
         self._check_unchanged()
         elapsed = time.perf_counter() - self.started
         if elapsed > 0:
@@ -290,7 +296,7 @@ class LoadHandle:
 @_reopen_if_replaced
 def load_file(source, device="cpu", framework: str | None = None, names: Names = None, *,
               background: bool = False, shard: Shard | None = None, verify: bool = False,
-              **options) -> dict[str, Any] | LoadHandle:
+              progress: bool | None = None, **options) -> dict[str, Any] | LoadHandle:
     """Load the selected tensors of a checkpoint; returns ``{name: array}``.
 
     ``source`` is a file, a list of files, an index.json or a directory. Unselected bytes are
@@ -298,7 +304,8 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     ``shard=Shard(rank, world_size, dim)`` each array is this rank's slice of the tensor. With
     ``verify=True`` every tensor is checked against the digests saved with it
     (``save_file(checksum=...)``) as its chunks land; a mismatch raises ChecksumError and nothing
-    is returned.
+    is returned. ``progress``: a bar on stderr (None: only on a terminal and past about a second;
+    True: always; False: never).
     """
     s = _settings.merge(**options)
     dev = parse_device(device)
@@ -309,7 +316,8 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     plan, s, verifier = _plan(ck, _selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify)
     sources = open_sources(ck, s)
     try:
-        landing = Landing(plan, sources, Destinations.allocate(fw, plan, dev), s, verifier=verifier)
+        landing = Landing(plan, sources, Destinations.allocate(fw, plan, dev), s, verifier=verifier,
+                          progress=progress_bar(plan.nbytes, "load", progress))
     except BaseException:
         _close_all(sources)
         raise
@@ -319,7 +327,8 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
 
 @_reopen_if_replaced
 def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, shard: Shard | None = None,
-              verify: bool = False, names: Names = None, **options) -> dict[str, str]:
+              verify: bool = False, names: Names = None, progress: bool | None = None,
+              **options) -> dict[str, str]:
     """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata.
 
     With ``shard=Shard(rank, world_size, dim)`` the store holds this rank's slices (their
@@ -377,7 +386,7 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
     sources = open_sources(ck, s)
     try:
         Landing(plan, sources, Destinations.fixed(buffers, [store[n] for n in chosen]), s,
-                verifier=verifier).finish()
+                verifier=verifier, progress=progress_bar(plan.nbytes, "load", progress)).finish()
     finally:
         _close_all(sources)
     return metadata or {}
@@ -472,21 +481,23 @@ class safe_open:
             raise KeyError(f"no tensor named {name!r}")
         return self._load([name])[0]
 
-    def _start(self, names: list[str], indices=None):
+    def _start(self, names: list[str], indices=None, progress: bool | None = False):
         self._check()
         plan, s, verifier = _plan(self._ck, _selections(self._ck, names, indices), self._s, self._verify)
-        return Landing(plan, self._sources, Destinations.allocate(self._fw, plan, self._dev), s, verifier=verifier)
+        return Landing(plan, self._sources, Destinations.allocate(self._fw, plan, self._dev), s, verifier=verifier,
+                       progress=progress_bar(plan.nbytes, "load", progress))
 
     def _load(self, names: list[str], indices=None) -> list:
         landing = self._start(names, indices)
         landing.finish()
         return landing.dests.all_arrays()
 
-    def tensors(self, names: Names = None, *, shard: Shard | None = None) -> Iterator[tuple[str, Any]]:
+    def tensors(self, names: Names = None, *, shard: Shard | None = None,
+                progress: bool | None = None) -> Iterator[tuple[str, Any]]:
         """Yield ``(name, array)`` as each tensor lands (file order, or the order of a list);
-        with ``shard``, each array is this rank's slice."""
+        with ``shard``, each array is this rank's slice; ``progress`` as in load_file."""
         chosen = select(self._ck, names)
-        landing = self._start(chosen, indices_for(self._ck, chosen, shard))
+        landing = self._start(chosen, indices_for(self._ck, chosen, shard), progress)
         try:
             for d, name in enumerate(chosen):
                 landing.wait_dest(d)

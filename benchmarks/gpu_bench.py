@@ -294,15 +294,14 @@ def bench_hot_loads(paths, total, directory, sweep):
         grid = os.environ.get("FH_SWEEP", "pread:16:8,pread:16:16,pread:12:16,mmap:16:8,mmap:16:16")
         for backend, threads, chunk in (tuple(g.split(":")) for g in grid.split(",")):
             threads, chunk = int(threads), int(chunk)
-            if True:
-                    opts = dict(backend=backend, threads=threads, chunk_bytes=chunk << 20,
-                                staging_bytes=max(512, 2 * threads * chunk) << 20, direct_io="off")
-                    out, ts = timed_load(src, "pt", reps=2, **opts)
-                    del out
-                    g = row("sweep", f"{backend} threads={threads} chunk={chunk}MiB staging={opts['staging_bytes'] >> 20}MiB",
-                            total, min(ts))
-                    if g > best[0]:
-                        best = (g, opts)
+            opts = dict(backend=backend, threads=threads, chunk_bytes=chunk << 20,
+                        staging_bytes=max(512, 2 * threads * chunk) << 20, direct_io="off")
+            out, ts = timed_load(src, "pt", reps=2, **opts)
+            del out
+            g = row("sweep", f"{backend} threads={threads} chunk={chunk}MiB staging={opts['staging_bytes'] >> 20}MiB",
+                    total, min(ts))
+            if g > best[0]:
+                best = (g, opts)
         RESULTS["sweep_best"] = {"GB/s": best[0], "opts": best[1]}
         log(f"  best sweep config: {best}")
 

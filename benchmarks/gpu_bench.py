@@ -280,7 +280,7 @@ def bench_hot_loads(paths, total, directory, sweep):
     first = time.perf_counter() - t0
     check_sample(out, paths, "pt")
     del out
-    row("load", "foxhunt first load in process (incl. pinned alloc, streams)", total, first)
+    RESULTS["fs_first"] = row("load", "foxhunt first load in process (incl. pinned alloc, streams)", total, first)
     RESULTS["fs_hot"] = {}
     for fw in ("pt", "cupy"):
         out, ts = timed_load(src, fw)
@@ -291,17 +291,17 @@ def bench_hot_loads(paths, total, directory, sweep):
         RESULTS["fs_hot"][fw] = g
     if sweep:
         best = (0, None)
-        for backend in ("pread", "mmap"):
-            for threads in (12, 16):
-                for chunk in (4, 8, 16, 32):
-                    opts = dict(backend=backend, threads=threads, chunk_bytes=chunk << 20,
-                                staging_bytes=max(512, 2 * threads * chunk) << 20, direct_io="off")
-                    out, ts = timed_load(src, "pt", reps=2, **opts)
-                    del out
-                    g = row("sweep", f"{backend} threads={threads} chunk={chunk}MiB staging={opts['staging_bytes'] >> 20}MiB",
-                            total, min(ts))
-                    if g > best[0]:
-                        best = (g, opts)
+        grid = os.environ.get("FH_SWEEP", "pread:16:8,pread:16:16,pread:12:16,mmap:16:8,mmap:16:16")
+        for backend, threads, chunk in (tuple(g.split(":")) for g in grid.split(",")):
+            threads, chunk = int(threads), int(chunk)
+            opts = dict(backend=backend, threads=threads, chunk_bytes=chunk << 20,
+                        staging_bytes=max(512, 2 * threads * chunk) << 20, direct_io="off")
+            out, ts = timed_load(src, "pt", reps=2, **opts)
+            del out
+            g = row("sweep", f"{backend} threads={threads} chunk={chunk}MiB staging={opts['staging_bytes'] >> 20}MiB",
+                    total, min(ts))
+            if g > best[0]:
+                best = (g, opts)
         RESULTS["sweep_best"] = {"GB/s": best[0], "opts": best[1]}
         log(f"  best sweep config: {best}")
 
@@ -344,6 +344,19 @@ def bench_ttft(paths, directory):
         del first, _t
     log(f"  ttft     time to first tensor ({name}, incl. open): {[round(x * 1e3, 1) for x in res]} ms")
     RESULTS["ttft_ms"] = [round(x * 1e3, 2) for x in res]
+    res2 = []
+    for _ in range(3):
+        with fs.safe_open(src, framework="pt", device="cuda:0") as f:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            it = f.tensors()
+            name, first = next(it)
+            res2.append(time.perf_counter() - t0)
+            for _name, _t in it:
+                pass
+        del first, _t
+    log(f"  ttft     time to first tensor ({name}, handle already open): {[round(x * 1e3, 1) for x in res2]} ms")
+    RESULTS["ttft_open_handle_ms"] = [round(x * 1e3, 2) for x in res2]
 
 
 @guarded
@@ -378,7 +391,7 @@ def rss():
     for line in open('/proc/self/status'):
         if line.startswith('VmRSS'):
             return int(line.split()[1]) * 1024
-src, dst, which, fsync = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == '1'
+src, dst, which, fsync, wb = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == '1', sys.argv[5]
 t = fs.load_file(src, device='cuda:0', framework='pt')
 torch.cuda.synchronize()
 if which == 'fs':   # warm the staging pool and streams outside the timed region
@@ -387,7 +400,7 @@ base = rss()
 open('/proc/self/clear_refs', 'w').write('5')
 t0 = time.perf_counter()
 if which == 'fs':
-    fs.save_file(t, dst, metadata={{'format': 'pt'}}, fsync=fsync)
+    fs.save_file(t, dst, metadata={{'format': 'pt'}}, fsync=fsync, write_backend=wb)
 elif which == 'st':
     import safetensors.torch as stt
     stt.save_file(t, dst, metadata={{'format': 'pt'}})
@@ -398,9 +411,9 @@ print(json.dumps({{'seconds': dt, 'rss_growth': hwm() - base, 'bytes': sum(v.num
 """
 
 
-def run_save_child(src, dst, which, fsync):
+def run_save_child(src, dst, which, fsync, write_backend="auto"):
     code = SAVE_CHILD.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    p = subprocess.run([sys.executable, "-c", code, src, dst, which, "1" if fsync else "0"],
+    p = subprocess.run([sys.executable, "-c", code, src, dst, which, "1" if fsync else "0", write_backend],
                        capture_output=True, text=True, timeout=400)
     if p.returncode != 0:
         raise RuntimeError(f"save child failed: {p.stderr[-2000:]}")
@@ -441,6 +454,18 @@ def raw_pwrite(path, nbytes, threads, chunk=16 << 20, fsync=False, pinned=None, 
     return dt, bufs
 
 
+def check_saved(path, paths):
+    """The saved file holds the source's bytes for a sample tensor (compared with the source file)."""
+    src_hdr = fs.read_header(paths[0])
+    t = src_hdr.tensors[len(src_hdr.tensors) // 2]
+    out_hdr = fs.read_header(path)
+    o = out_hdr.by_name[t.name]
+    with open(paths[0], "rb") as f, open(path, "rb") as g:
+        f.seek(src_hdr.data_start + t.start)
+        g.seek(out_hdr.data_start + o.start)
+        assert f.read(t.nbytes) == g.read(o.nbytes), f"saved bytes differ for {t.name}"
+
+
 @guarded
 def bench_saves(paths, total, directory, to_disk, st_shm, st_disk):
     src = os.path.join(directory, "model.safetensors.index.json")
@@ -456,13 +481,16 @@ def bench_saves(paths, total, directory, to_disk, st_shm, st_disk):
     row("ceiling", "raw pwrite -> /dev/shm, 8 threads, fresh file again (guest memory touched)", total, dt3)
     os.unlink(shm + ".raw")
     RESULTS["pwrite_shm"] = total / min(dt, dt3) / GB
-    r = run_save_child(src, shm, "fs", False)
-    RESULTS["save"]["fs_shm"] = row("save", "foxhunt save_file -> /dev/shm (fresh process)", total, r["seconds"],
-                                    note=f"RSS +{r['rss_growth'] / 2**20:.0f} MiB")
-    RESULTS["save"]["fs_shm_rss"] = r["rss_growth"]
-    back = fs.read_header(shm)
-    assert back.file_size == os.path.getsize(shm)
-    os.unlink(shm)
+    for wb in ("pwrite", "mmap"):
+        r = run_save_child(src, shm, "fs", False, wb)
+        RESULTS["save"][f"fs_shm_{wb}"] = row("save", f"foxhunt save_file -> /dev/shm, write_backend={wb}", total,
+                                              r["seconds"], note=f"RSS +{r['rss_growth'] / 2**20:.0f} MiB")
+        RESULTS["save"][f"fs_shm_{wb}_rss"] = r["rss_growth"]
+        back = fs.read_header(shm)
+        assert back.file_size == os.path.getsize(shm)
+        if wb == "mmap":
+            check_saved(shm, paths)
+        os.unlink(shm)
     if st_shm:
         r = run_save_child(src, shm, "st", False)
         RESULTS["save"]["st_shm"] = row("save", "safetensors.torch.save_file -> /dev/shm", total, r["seconds"],
@@ -473,10 +501,11 @@ def bench_saves(paths, total, directory, to_disk, st_shm, st_disk):
         dt, _ = raw_pwrite(dpath + ".raw", total, 8, pinned=bufs, fresh=True, fsync=True)
         os.unlink(dpath + ".raw")
         RESULTS["pwrite_disk"] = row("ceiling", "raw pwrite + fsync -> disk, 8 threads", total, dt)
-        r = run_save_child(src, dpath, "fs", True)
-        RESULTS["save"]["fs_disk"] = row("save", "foxhunt save_file -> disk with fsync", total, r["seconds"],
-                                         note=f"RSS +{r['rss_growth'] / 2**20:.0f} MiB")
-        os.unlink(dpath)
+        for wb in ("pwrite", "mmap"):
+            r = run_save_child(src, dpath, "fs", True, wb)
+            RESULTS["save"][f"fs_disk_{wb}"] = row("save", f"foxhunt save_file -> disk + fsync, write_backend={wb}",
+                                                   total, r["seconds"], note=f"RSS +{r['rss_growth'] / 2**20:.0f} MiB")
+            os.unlink(dpath)
         if st_disk:
             r = run_save_child(src, dpath, "st", True)
             RESULTS["save"]["st_disk"] = row("save", "safetensors.torch.save_file -> disk + fsync", total, r["seconds"],
@@ -515,7 +544,8 @@ def main():
         json.dump(RESULTS, f, indent=1)
     log("\n== summary ==")
     h2d = RESULTS.get("h2d")
-    for k in ("h2d", "d2h", "pagecache", "cold_read", "fs_hot", "st_hot", "ttft_ms", "fs_cold", "pwrite_shm",
+    for k in ("h2d", "d2h", "pagecache", "cold_read", "fs_first", "fs_hot", "st_hot", "ttft_ms", "ttft_open_handle_ms",
+              "fs_cold", "pwrite_shm",
               "pwrite_disk", "save", "sweep_best"):
         if k in RESULTS:
             log(f"{k:12s} {RESULTS[k]}")

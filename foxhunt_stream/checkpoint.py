@@ -14,20 +14,27 @@ from typing import Callable, Iterable, NamedTuple
 
 from .errors import FormatError
 from .header import MAX_HEADER_SIZE, N_LEN, Header, TensorInfo, parse_header, read_header_len
+from .source import file_identity
 
 INDEX_NAME = "model.safetensors.index.json"
 
 
 def read_header(path: str | os.PathLike) -> Header:
     """Read and validate the header of one file; FormatError names the file."""
+    return _read_header(path)[0]
+
+
+def _read_header(path: str | os.PathLike) -> tuple[Header, tuple]:
+    """The header and the identity of the file it was read from (see ``source.file_identity``)."""
     path = os.fspath(path)
     with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
         prefix = _read_exact(f, 0, min(N_LEN, size))
         try:
             n = read_header_len(prefix, size)
             body = _read_exact(f, N_LEN, min(n, MAX_HEADER_SIZE))
-            return parse_header(prefix + body, size)
+            return parse_header(prefix + body, size), file_identity(st)
         except FormatError as e:
             raise e.with_path(path) from None
 
@@ -52,6 +59,7 @@ class Checkpoint:
     names: dict[str, tuple[int, TensorInfo]] = field(default_factory=dict)
     index_metadata: dict | None = None
     index_path: str | None = None
+    identities: list[tuple] = field(default_factory=list)   # per file, as its header was read
 
     def metadata(self) -> dict[str, str] | None:
         """One flat ``dict[str, str]`` (or None when nothing has any), the shape every caller expects.
@@ -176,9 +184,13 @@ def open_checkpoint(source) -> Checkpoint:
     With an index, the index and the headers must agree exactly: every listed tensor is in
     the shard the index names, and every shard tensor is listed.
     """
+    if isinstance(source, Checkpoint):   # already open (callers that inspect names first)
+        return source
     paths, weight_map, index_meta, index_path = resolve(source)
-    headers = [read_header(p) for p in paths]
-    ck = Checkpoint(paths, headers, index_metadata=index_meta, index_path=index_path)
+    read = [_read_header(p) for p in paths]
+    headers = [h for h, _ in read]
+    ck = Checkpoint(paths, headers, index_metadata=index_meta, index_path=index_path,
+                    identities=[i for _, i in read])
     for i, h in enumerate(headers):
         for t in h.tensors:
             prev = ck.names.get(t.name)

@@ -54,3 +54,11 @@ class StoreMismatchError(ValueError):
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         super().__init__("load_into: the store does not match the checkpoint:\n  " + "\n  ".join(self.problems))
+
+
+class ChecksumError(FormatError):
+    """A tensor's bytes do not match the digest stored with them (rule ``checksum``), or
+    ``verify=True`` found no digest to check (rule ``checksum-missing``). Names file and tensor."""
+
+    def with_path(self, path: str | os.PathLike) -> "ChecksumError":
+        return ChecksumError(self.rule, self.detail, path=path, tensor=self.tensor)

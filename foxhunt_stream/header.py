@@ -164,16 +164,22 @@ def _check_strings(value, tensor: str | None) -> None:
 
 def _check_extra(value, depth: int, tensor: str) -> None:
     """An ignored field still has to be JSON the reference takes: no container nested deeper
-    than serde_json allows (``depth`` is ``value``'s own), no repeated key."""
-    stack = [(value, depth)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, _Duplicate):
-            raise FormatError("duplicate-key", f"key {v.key!r} appears twice in an unknown field", tensor=tensor)
-        if isinstance(v, (dict, list)):
-            if d > MAX_JSON_DEPTH:
-                raise FormatError("header-json", f"JSON nests deeper than {MAX_JSON_DEPTH} levels", tensor=tensor)
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    than serde_json allows (``depth`` is ``value``'s own), no repeated key. Walks level by
+    level, holding only containers (memory stays a fraction of what parsing took)."""
+    level = [value]
+    while level:
+        children = []
+        for v in level:
+            if isinstance(v, _Duplicate):
+                raise FormatError("duplicate-key", f"key {v.key!r} appears twice in an unknown field", tensor=tensor)
+            if isinstance(v, (dict, list)):
+                if depth > MAX_JSON_DEPTH:
+                    raise FormatError("header-json", f"JSON nests deeper than {MAX_JSON_DEPTH} levels",
+                                      tensor=tensor)
+                children.extend(c for c in (v.values() if isinstance(v, dict) else v)
+                                if isinstance(c, (dict, list, _Duplicate)))
+        level = children
+        depth += 1
 
 
 def _is_uint(x) -> bool:

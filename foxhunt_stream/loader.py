@@ -6,6 +6,7 @@ front ends over one ``Landing``: a plan being executed by the pipeline into dest
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -16,10 +17,13 @@ from . import settings as _settings
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
 from .device import CPU, Device, check_device, context, parse_device
 from .dtypes import DType, host_shape
-from .errors import StoreMismatchError
+from .errors import FormatError, StoreMismatchError
 from .frameworks import Buffer, expected_host_dtype, framework_of, get_framework
+from .integrity import Verifier
 from .pipeline import Job
 from .plan import LoadPlan, Selection, plan_load
+from .prefetch import warming
+from .progress import NO_PROGRESS, Progress, progress_bar
 from .shard import Shard, indices_for, shard_shape
 from .source import FileSource, open_source, resident_fraction
 from .target import CudaTarget, HostTarget
@@ -39,7 +43,8 @@ class LoadIntoWarning(UserWarning):
 def _backend_for(path: str, s: _settings.Settings) -> str:
     if s.direct_io == "on":
         return "direct"
-    if s.direct_io == "auto" and resident_fraction(path) < 0.5:
+    # a file that a prefetch is filling into the page cache is read through it, not around it
+    if s.direct_io == "auto" and not warming(path) and resident_fraction(path) < 0.5:
         return "direct"
     return s.backend
 
@@ -47,8 +52,11 @@ def _backend_for(path: str, s: _settings.Settings) -> str:
 def open_sources(ck: Checkpoint, s: _settings.Settings) -> list[FileSource]:
     out = []
     try:
-        for p, h in zip(ck.paths, ck.headers):
+        for i, (p, h) in enumerate(zip(ck.paths, ck.headers)):
             out.append(open_source(p, _backend_for(p, s), h.file_size))
+            if ck.identities:   # the file opened must be the one whose header we hold
+                out[-1].identity = ck.identities[i]
+                out[-1].check_unchanged("file-replaced")
     except BaseException:
         for src in out:
             src.close()
@@ -109,12 +117,33 @@ class Destinations:
         self.buffers = [None] * len(self.buffers)
 
 
+_REOPEN_ATTEMPTS = 3
+
+
+def _reopen_if_replaced(fn):
+    """Start a load over when a file was replaced between its header read and its opening (a
+    concurrent atomic save renamed a new version over it): the new version is read from scratch.
+    Nothing has been allocated on a device or written to a store by then."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for attempt in range(_REOPEN_ATTEMPTS):
+            try:
+                return fn(*args, **kwargs)
+            except FormatError as e:
+                if e.rule != "file-replaced" or attempt == _REOPEN_ATTEMPTS - 1:
+                    raise
+    return wrapper
+
+
 class Landing:
     """A load plan in flight: per-destination readiness, cancellation, one wait for all."""
 
     def __init__(self, plan: LoadPlan, sources: list[FileSource], dests: Destinations,
-                 s: _settings.Settings, keepalive: Any = None) -> None:
+                 s: _settings.Settings, keepalive: Any = None, verifier: Verifier | None = None,
+                 progress: Progress = NO_PROGRESS) -> None:
         self.plan = plan
+        self.progress = progress
+        self.verifier = verifier
         self.dests = dests
         self.sources = sources
         self._lock = threading.Lock()
@@ -139,7 +168,8 @@ class Landing:
 
     def _work(self, worker: int, chunk):
         buf = self.dests.buffer(chunk.dest)
-        return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf)
+        inspect = self.verifier.inspector(chunk.dest, chunk.run) if self.verifier is not None else None
+        return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect)
 
     def _on_done(self, i: int, chunk, event) -> None:
         with self._lock:
@@ -148,6 +178,7 @@ class Landing:
             self._remaining[chunk.dest] -= 1
             if self._remaining[chunk.dest] == 0:
                 self._ready[chunk.dest].set()
+        self.progress.update(chunk.run.nbytes)
 
     def wait_dest(self, d: int) -> None:
         """Block until destination ``d`` has fully landed (its copies complete)."""
@@ -167,11 +198,20 @@ class Landing:
         except BaseException:
             self._drain()
             self.dests.release()
+            self.progress.close()
             raise
         self._drain()
+        self.progress.close()
+        self._check_unchanged()
         elapsed = time.perf_counter() - self.started
         if elapsed > 0:
             log.debug("load: %.3f s, %.2f GB/s", elapsed, self.plan.nbytes / elapsed / 1e9)
+
+    def _check_unchanged(self) -> None:
+        """A file rewritten or resized while it was read may have fed us a mix of two versions."""
+        for src in self.sources:
+            if src.fd >= 0:
+                src.check_unchanged()
 
     def _drain(self) -> None:
         for dev in self._targets:
@@ -185,6 +225,15 @@ class Landing:
 def _close_all(sources):
     for src in sources:
         src.close()
+
+
+def _plan(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, verify: bool):
+    """The load plan; with ``verify``, chunks cut on checksum blocks and a Verifier to check them."""
+    if not verify:
+        return plan_load(sels, s.chunk_bytes), s, None
+    verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels])
+    s = verifier.settings(s)
+    return plan_load(sels, s.chunk_bytes, granule=verifier.granule), s, verifier
 
 
 def _selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | None = None) -> list[Selection]:
@@ -207,7 +256,12 @@ class LoadHandle:
         self._closed = False
 
     def wait(self, name: str):
-        self._landing.wait_dest(self._pos[name])
+        try:
+            self._landing.wait_dest(self._pos[name])
+        except BaseException:
+            if self._landing.job.done():   # failed or cancelled: release the files now
+                self._close()
+            raise
         return self._landing.dests.array(self._pos[name])
 
     def done(self) -> bool:
@@ -239,13 +293,19 @@ class LoadHandle:
             self._on_close()
 
 
+@_reopen_if_replaced
 def load_file(source, device="cpu", framework: str | None = None, names: Names = None, *,
-              background: bool = False, shard: Shard | None = None, **options) -> dict[str, Any] | LoadHandle:
+              background: bool = False, shard: Shard | None = None, verify: bool = False,
+              progress: bool | None = None, **options) -> dict[str, Any] | LoadHandle:
     """Load the selected tensors of a checkpoint; returns ``{name: array}``.
 
     ``source`` is a file, a list of files, an index.json or a directory. Unselected bytes are
     never read. With ``background=True`` returns a ``LoadHandle`` at once. With
-    ``shard=Shard(rank, world_size, dim)`` each array is this rank's slice of the tensor.
+    ``shard=Shard(rank, world_size, dim)`` each array is this rank's slice of the tensor. With
+    ``verify=True`` every tensor is checked against the digests saved with it
+    (``save_file(checksum=...)``) as its chunks land; a mismatch raises ChecksumError and nothing
+    is returned. ``progress``: a bar on stderr (None: only on a terminal and past about a second;
+    True: always; False: never).
     """
     s = _settings.merge(**options)
     dev = parse_device(device)
@@ -253,10 +313,11 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     fw = get_framework(framework, dev)
     ck = open_checkpoint(source)
     chosen = select(ck, names)
-    plan = plan_load(_selections(ck, chosen, indices_for(ck, chosen, shard)), s.chunk_bytes)
+    plan, s, verifier = _plan(ck, _selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify)
     sources = open_sources(ck, s)
     try:
-        landing = Landing(plan, sources, Destinations.allocate(fw, plan, dev), s)
+        landing = Landing(plan, sources, Destinations.allocate(fw, plan, dev), s, verifier=verifier,
+                          progress=progress_bar(plan.nbytes, "load", progress))
     except BaseException:
         _close_all(sources)
         raise
@@ -264,7 +325,9 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     return handle if background else handle.result()
 
 
+@_reopen_if_replaced
 def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, shard: Shard | None = None,
+              verify: bool = False, names: Names = None, progress: bool | None = None,
               **options) -> dict[str, str]:
     """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata.
 
@@ -275,15 +338,21 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
     ``strict``, a missing or unexpected name) raises StoreMismatchError listing them all, with
     the store untouched. With ``strict=False`` missing/unexpected names are skipped and reported
     as a LoadIntoWarning. A file without metadata gives ``{}`` (the seed's contract: a map).
+    With ``verify=True`` each tensor is checked against its saved digest as it lands; on a
+    mismatch ChecksumError is raised and the store's contents are unspecified. ``names`` (as in
+    load_file) limits which checkpoint tensors are considered at all; the others are neither
+    read nor reported.
     """
     s = _settings.merge(**options)
     ck = open_checkpoint(source)
     metadata = ck.metadata()   # a conflict is an error before any byte lands
-    missing = [n for n in store.keys() if n not in ck.names]
-    unexpected = [n for n in ck.file_order() if n not in store]
+    considered = select(ck, names)
+    in_file = set(considered) if names is not None else ck.names
+    missing = [n for n in store.keys() if n not in in_file]
+    unexpected = [n for n in considered if n not in store]
     problems = []
-    names, buffers = [], []
-    for n in ck.file_order():
+    chosen, buffers = [], []
+    for n in considered:
         if n not in store:
             continue
         arr = store[n]
@@ -303,7 +372,7 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
             try:
                 check_device(dev)
                 buffers.append(fw.buffer(arr))
-                names.append(n)
+                chosen.append(n)
             except ValueError as e:
                 problems.append(f"{n}: {e}")
     if strict:
@@ -313,10 +382,11 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
         raise StoreMismatchError(problems, missing=missing, unexpected=unexpected)
     if missing or unexpected:
         warnings.warn(LoadIntoWarning(missing, unexpected), stacklevel=2)
-    plan = plan_load(_selections(ck, names, indices_for(ck, names, shard)), s.chunk_bytes)
+    plan, s, verifier = _plan(ck, _selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify)
     sources = open_sources(ck, s)
     try:
-        Landing(plan, sources, Destinations.fixed(buffers, [store[n] for n in names]), s).finish()
+        Landing(plan, sources, Destinations.fixed(buffers, [store[n] for n in chosen]), s,
+                verifier=verifier, progress=progress_bar(plan.nbytes, "load", progress)).finish()
     finally:
         _close_all(sources)
     return metadata or {}
@@ -354,10 +424,14 @@ class safe_open:
     """Drop-in for ``safetensors.safe_open``: lazy, random access to one checkpoint.
 
     ``with safe_open(path, framework="pt", device="cuda:0") as f: f.get_tensor(name)``.
-    Arrays returned stay valid after the handle is closed.
+    Arrays returned stay valid after the handle is closed. With ``verify=True`` whole tensors are
+    checked against their saved digests (a slice cannot be, and is refused).
     """
 
-    def __init__(self, filename, framework: str | None = None, device="cpu", **options) -> None:
+    @_reopen_if_replaced
+    def __init__(self, filename, framework: str | None = None, device="cpu", *, verify: bool = False,
+                 **options) -> None:
+        self._verify = verify
         self._s = _settings.merge(**options)
         self._dev = parse_device(device)
         check_device(self._dev)
@@ -407,21 +481,23 @@ class safe_open:
             raise KeyError(f"no tensor named {name!r}")
         return self._load([name])[0]
 
-    def _start(self, names: list[str], indices=None):
+    def _start(self, names: list[str], indices=None, progress: bool | None = False):
         self._check()
-        plan = plan_load(_selections(self._ck, names, indices), self._s.chunk_bytes)
-        return Landing(plan, self._sources, Destinations.allocate(self._fw, plan, self._dev), self._s)
+        plan, s, verifier = _plan(self._ck, _selections(self._ck, names, indices), self._s, self._verify)
+        return Landing(plan, self._sources, Destinations.allocate(self._fw, plan, self._dev), s, verifier=verifier,
+                       progress=progress_bar(plan.nbytes, "load", progress))
 
     def _load(self, names: list[str], indices=None) -> list:
         landing = self._start(names, indices)
         landing.finish()
         return landing.dests.all_arrays()
 
-    def tensors(self, names: Names = None, *, shard: Shard | None = None) -> Iterator[tuple[str, Any]]:
+    def tensors(self, names: Names = None, *, shard: Shard | None = None,
+                progress: bool | None = None) -> Iterator[tuple[str, Any]]:
         """Yield ``(name, array)`` as each tensor lands (file order, or the order of a list);
-        with ``shard``, each array is this rank's slice."""
+        with ``shard``, each array is this rank's slice; ``progress`` as in load_file."""
         chosen = select(self._ck, names)
-        landing = self._start(chosen, indices_for(self._ck, chosen, shard))
+        landing = self._start(chosen, indices_for(self._ck, chosen, shard), progress)
         try:
             for d, name in enumerate(chosen):
                 landing.wait_dest(d)

@@ -77,6 +77,10 @@ class Job:
     def cancel(self) -> None:
         self.fail(Cancelled("cancelled"))
 
+    def cancelled(self) -> bool:
+        """True once the job was cancelled or failed: long work items may stop early (by raising)."""
+        return self._cancel.is_set()
+
     @property
     def error(self) -> BaseException | None:
         return self._error

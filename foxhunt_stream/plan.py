@@ -10,6 +10,7 @@ The saver uses the same runs with height 1 to cut tensors into chunks.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Sequence
@@ -220,8 +221,14 @@ class Selection:
     name: str | None = None  # result name; defaults to the tensor's
 
 
-def plan_load(selections: Sequence[Selection], chunk_bytes: int) -> LoadPlan:
-    """Destinations and chunks for the selections, chunks in selection order."""
+def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 1) -> LoadPlan:
+    """Destinations and chunks for the selections, chunks in selection order.
+
+    A tensor cut into pieces is cut at multiples of ``granule`` (and of its itemsize) from its
+    start: with checksum blocks as the granule, every chunk holds whole blocks (see integrity).
+    """
+    if granule > chunk_bytes:
+        raise ValueError(f"granule ({granule}) larger than the chunk size ({chunk_bytes})")
     dests, chunks, counts = [], [], []
     for i, s in enumerate(selections):
         shape, runs = slice_runs(s.info, s.data_start, s.index)
@@ -229,7 +236,7 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int) -> LoadPlan:
         dests.append(Destination(s.name or s.info.name, s.info.dtype, shape, nbytes))
         n = 0
         for r in runs:
-            for piece in split_run(r, chunk_bytes, granule=max(1, s.info.dtype.itemsize)):
+            for piece in split_run(r, chunk_bytes, granule=math.lcm(granule, max(1, s.info.dtype.itemsize))):
                 chunks.append(Chunk(s.file, i, piece))
                 n += 1
         counts.append(n)

@@ -9,8 +9,10 @@ at a few chunks. The file appears atomically (see ``sink``).
 from __future__ import annotations
 
 import json
+import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -18,11 +20,16 @@ import numpy as np
 from . import settings as _settings
 from .device import Device
 from .dtypes import DType, from_numpy, from_torch
+from .dtypes import nbytes as _dtype_nbytes
 from .header import layout, serialize_header
+from .integrity import SaveDigests, strip
 from .pipeline import Job
 from .plan import plan_save
+from .progress import NO_PROGRESS, Progress, progress_bar
 from .sink import AtomicFile, write_small
 from .target import CudaTarget
+
+log = logging.getLogger("foxhunt_stream")
 
 
 @dataclass(eq=False)
@@ -40,6 +47,15 @@ class _Source:
     keep: Any = None
 
 
+@dataclass(frozen=True)
+class RawTensor:
+    """A tensor given as its safetensors dtype, logical shape and raw little-endian bytes (a
+    contiguous host buffer): saved exactly as is, for dtypes no array library spells (F6, F4)."""
+    dtype: DType
+    shape: tuple[int, ...]
+    data: Any
+
+
 def _rows_source(name, dt, shape, nbytes, make_rows, keep) -> _Source:
     row_bytes = nbytes // shape[0] if shape and shape[0] else max(nbytes, 1)
     return _Source(name, dt, shape, nbytes, Device("cpu"), rows=make_rows, row_bytes=max(row_bytes, 1), keep=keep)
@@ -47,6 +63,17 @@ def _rows_source(name, dt, shape, nbytes, make_rows, keep) -> _Source:
 
 def _describe(name: str, x) -> _Source:
     mod = type(x).__module__
+    if isinstance(x, RawTensor):
+        if isinstance(x.data, np.ndarray):
+            if not x.data.flags.c_contiguous:
+                raise ValueError(f"tensor {name!r}: RawTensor data must be contiguous")
+            data = x.data.reshape(-1).view(np.uint8)
+        else:
+            data = np.frombuffer(x.data, np.uint8)
+        want = _dtype_nbytes(x.dtype, tuple(x.shape))
+        if data.nbytes != want:
+            raise ValueError(f"tensor {name!r}: {x.dtype.name}{list(x.shape)} needs {want} bytes, got {data.nbytes}")
+        return _Source(name, x.dtype, tuple(x.shape), want, Device("cpu"), host=data, keep=x)
     if isinstance(x, np.ndarray):
         dt = from_numpy(x.dtype)
         shape = tuple(x.shape)
@@ -108,20 +135,28 @@ def _wait_producers(sources: list[_Source]) -> None:
                 cp.cuda.get_current_stream().synchronize()
 
 
-def _save_one(sources: list[_Source], path, metadata: Mapping[str, str] | None, s: _settings.Settings,
-              fsync: bool) -> None:
+def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None, s: _settings.Settings,
+               fsync: bool, checksum: tuple[str, int | None] | None = None,
+               progress: Progress = NO_PROGRESS) -> AtomicFile:
+    """Write one file to its temp file and return it, not yet committed (aborted on error)."""
     infos = layout([(src.name, src.dtype, src.shape) for src in sources])
     by_name = {src.name: src for src in sources}
     ordered = [by_name[t.name] for t in infos]
-    header = serialize_header(infos, metadata)
+    digests = None
+    if checksum is not None:   # chunks cut on checksum blocks, each hashed where it passes
+        digests = SaveDigests(checksum[0], checksum[1], [t.name for t in infos], [src.nbytes for src in ordered])
+        if s.chunk_bytes < digests.block:
+            s = replace(s, chunk_bytes=digests.block, staging_bytes=max(s.staging_bytes, digests.block))
+    header = serialize_header(infos, metadata if digests is None else digests.metadata(metadata, final=False))
     total = len(header) + (infos[-1].end if infos else 0)
     items = plan_save([src.nbytes for src in ordered], [len(header) + t.start for t in infos], s.chunk_bytes,
-                      [1 if src.rows is None else src.row_bytes for src in ordered])
+                      [digests.block if digests is not None else 1 if src.rows is None else src.row_bytes
+                       for src in ordered])
     targets: dict[int, CudaTarget] = {}
     for src in ordered:
         if src.device.is_cuda and src.device.index not in targets:
             targets[src.device.index] = CudaTarget(src.device.index, s.chunk_bytes, s.n_slots)
-    sink = AtomicFile(path, total, fsync=fsync)
+    sink = AtomicFile(path, total, fsync=fsync, backend=s.write_backend)
     try:
         sink.write_at(header, 0)
 
@@ -129,24 +164,46 @@ def _save_one(sources: list[_Source], path, metadata: Mapping[str, str] | None, 
             i, run = item
             src = ordered[i]
             if src.host is not None:
-                sink.write_at(src.host[run.src:run.src + run.width], run.dst)
+                data = src.host[run.src:run.src + run.width]
+                if digests is not None:
+                    digests.add(i, run.src, data)
+                sink.write_at(data, run.dst)
             elif src.rows is not None:
                 r0 = run.src // src.row_bytes
-                r1 = (run.src + run.width) // src.row_bytes
-                data = src.rows(r0, r1) if src.shape else src.rows(0, 1)
+                r1 = -(-(run.src + run.width) // src.row_bytes)
+                skip = run.src - r0 * src.row_bytes   # nonzero only when chunks follow checksum blocks
+                data = (src.rows(r0, r1) if src.shape else src.rows(0, 1))[skip:skip + run.width]
+                if digests is not None:
+                    digests.add(i, run.src, data)
                 sink.write_at(data, run.dst)
             else:
                 pool, slot, view = targets[src.device.index].fetch(worker, src.ptr + run.src, run.width)
                 try:
+                    if digests is not None:
+                        digests.add(i, run.src, view)
                     sink.write_at(view, run.dst)
                 finally:
                     pool.release(slot)
+            progress.update(run.width)
 
+        started = time.perf_counter()
+        log.debug("save %s: %d tensors, %d bytes, %d chunks, %d threads, chunk %d, staging %d, from %s, "
+                  "write backend %s, fsync %s", os.fspath(path), len(ordered), total, len(items), s.threads,
+                  s.chunk_bytes, s.staging_bytes, sorted({str(src.device) for src in ordered}) or ["-"],
+                  s.write_backend, fsync)
         Job(items, work, s.threads, name="foxhunt-save").start().wait()
-        sink.commit()
+        elapsed = time.perf_counter() - started
+        if elapsed > 0:
+            log.debug("save %s: %.3f s, %.2f GB/s (before commit)", os.fspath(path), elapsed, total / elapsed / 1e9)
+        if digests is not None:   # same length as the placeholder header: offsets do not move
+            final = serialize_header(infos, digests.metadata(metadata, final=True))
+            if len(final) != len(header):
+                raise RuntimeError("checksum header changed length")   # unreachable: digests are fixed-width
+            sink.write_at(final, 0)
     except BaseException:
         sink.abort()
         raise
+    return sink
 
 
 def shard_names(groups: int) -> list[str]:
@@ -178,22 +235,52 @@ def split_shards(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list
     return shards
 
 
+def index_file(directory, weight_map: Mapping[str, str], total_size: int, fsync: bool = True,
+               commit: bool = True):
+    """``model.safetensors.index.json`` (Hugging Face layout) for shards written into ``directory``."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    return write_small(os.path.join(os.fspath(directory), "model.safetensors.index.json"),
+                       (json.dumps(index, indent=2, sort_keys=True) + "\n").encode(), fsync, commit=commit)
+
+
 def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | None = None,
-              max_shard_size: int | str | None = None, *, fsync: bool = True, **options) -> None:
+              max_shard_size: int | str | None = None, *, fsync: bool = True, checksum: str | None = None,
+              checksum_block: int | None = None, progress: bool | None = None, **options) -> None:
     """Save ``{name: array}`` (numpy, cupy or torch, any device) as safetensors at ``path``.
 
     Byte-identical to the reference serializer; written incrementally (host memory: a few
     chunks); atomic. With ``max_shard_size``, ``path`` is a directory that receives
-    ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json`` (written
-    last).
+    ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``: every shard
+    is written before any is renamed into place, and the index last.
+    ``checksum`` ("xxh3-64" or "crc32c") stores per-tensor digests in ``__metadata__`` under
+    "foxhunt.checksums" (hashed as the chunks are written; ``checksum_block``: block size, default
+    16 MiB), for ``load_file(verify=True)`` and ``foxhunt_stream.verify``. A "foxhunt.checksums"
+    entry in ``metadata`` itself is dropped: it described some other file's bytes.
+    ``progress``: a bar on stderr (None: only on a terminal and past about a second).
     """
     s = _settings.merge(**options)
     if metadata is not None and not isinstance(metadata, Mapping):
         raise TypeError("metadata must be a mapping of str to str")
+    metadata = strip(metadata)
+    spec = None
+    if checksum is not None:
+        SaveDigests(checksum, checksum_block, [], [])   # validate the options before any work
+        spec = (checksum, checksum_block)
+    elif checksum_block is not None:
+        raise ValueError("checksum_block needs checksum='xxh3-64' or 'crc32c'")
     sources = [_describe(name, x) for name, x in tensors.items()]
     _wait_producers(sources)
+    bar = progress_bar(sum(src.nbytes for src in sources), "save", progress)
+    try:
+        _save_all(sources, path, metadata, max_shard_size, s, fsync, spec, bar)
+    finally:
+        bar.close()
+
+
+def _save_all(sources: list[_Source], path, metadata, max_shard_size, s: _settings.Settings, fsync: bool, spec,
+              bar: Progress) -> None:
     if max_shard_size is None:
-        _save_one(sources, path, metadata, s, fsync)
+        _write_one(sources, path, metadata, s, fsync, spec, bar).commit()
         return
     limit = _settings.parse_size(max_shard_size)
     if limit <= 0:
@@ -205,11 +292,19 @@ def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | No
     files = shard_names(len(groups))
     by_name = {src.name: src for src in sources}
     weight_map = {}
-    for names, fname in zip(groups, files):
-        _save_one([by_name[n] for n in names], os.path.join(directory, fname), metadata, s, fsync)
-        weight_map.update((n, fname) for n in names)
-    if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(src.nbytes for src in sources)},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        write_small(os.path.join(directory, "model.safetensors.index.json"),
-                    (json.dumps(index, indent=2, sort_keys=True) + "\n").encode(), fsync)
+    pending: list[AtomicFile] = []
+    try:   # every file is written before any is renamed into place (the index last): a failure
+        # while writing leaves every old file as it was
+        for names, fname in zip(groups, files):
+            pending.append(_write_one([by_name[n] for n in names], os.path.join(directory, fname), metadata, s,
+                                      fsync, spec, bar))
+            weight_map.update((n, fname) for n in names)
+        if len(groups) > 1:
+            pending.append(index_file(directory, weight_map, sum(src.nbytes for src in sources), fsync,
+                                      commit=False))
+        for f in pending:
+            f.commit()
+    except BaseException:
+        for f in pending:
+            f.abort()   # a no-op for those already committed
+        raise

@@ -35,10 +35,11 @@ def _default_threads() -> int:
 @dataclass(frozen=True, slots=True)
 class Settings:
     threads: int = 0                 # reader/writer threads; 0 = one per CPU, at most 16
-    chunk_bytes: int = 16 << 20      # bytes per copy through a staging slot
+    chunk_bytes: int = 8 << 20       # bytes per copy through a staging slot (8 MiB: best on the H200 machine)
     staging_bytes: int = 512 << 20   # pinned staging per device (slots = staging / chunk)
     backend: str = "pread"           # pread | mmap | direct
     direct_io: str = "auto"          # auto | on | off (auto: O_DIRECT when the file is mostly not cached)
+    write_backend: str = "auto"      # auto | mmap | pwrite (auto: mmap for big files bound for memory)
 
     def resolved(self) -> "Settings":
         return replace(self, threads=self.threads or _default_threads())
@@ -53,6 +54,9 @@ class Settings:
             raise ValueError(f"staging_bytes ({self.staging_bytes}) must hold at least one chunk ({self.chunk_bytes})")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        from .sink import WRITE_BACKENDS
+        if self.write_backend not in WRITE_BACKENDS:
+            raise ValueError(f"write_backend must be one of {', '.join(WRITE_BACKENDS)}, got {self.write_backend!r}")
         if self.direct_io not in ("auto", "on", "off"):
             raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
         return self

@@ -45,11 +45,17 @@ def total_bytes_read() -> int:
     return _total_read
 
 
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when a file is replaced (rename over it) or rewritten: device, inode, size, mtime."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class FileSource:
     """An open file, read with positional reads. Thread-safe: reads share no file position."""
 
     backend = "pread"
     direct_reads = True   # can read straight into any host buffer (no alignment constraints)
+    identity: tuple | None = None   # file_identity when its header was read (set by the loader)
 
     def __init__(self, path: str | os.PathLike, expected_size: int | None = None) -> None:
         self.path = os.fspath(path)
@@ -73,21 +79,34 @@ class FileSource:
                            f"read of {want} bytes at offset {offset} returned only {got}: the file is shorter "
                            "than its header says (truncated or changed while loading?)", path=self.path)
 
-    def _fault(self, offset: int, want: int) -> int:
-        """Run the test-only fault hook: it may raise (errors are named like real ones) or cut the read."""
+    def _inject(self, offset: int, length: int) -> int | None:
+        """Run the test-only fault hook; an OSError it raises reports like a failed read."""
         try:
-            r = fault_hook(self, offset, want)
+            return fault_hook(self, offset, length)
         except OSError as e:
-            raise OSError(e.errno, f"{self.path}: read of {want} bytes at offset {offset} failed: "
+            raise OSError(e.errno, f"{self.path}: read of {length} bytes at offset {offset} failed: "
                                    f"{e.strerror}") from e
-        return want if r is None else r
+
+    def check_unchanged(self, rule: str = "file-changed") -> None:
+        """FormatError ``rule`` unless the open file is still the one its header was read from:
+        not replaced before it was opened, not resized or rewritten since."""
+        now = os.fstat(self.fd)
+        if self.identity is not None:
+            changed = file_identity(now) != self.identity
+        else:
+            changed = self.expected_size is not None and now.st_size != self.expected_size
+        if changed:
+            raise FormatError(rule, "the file changed since its header was read (replaced, rewritten or "
+                              f"resized: now {now.st_size} bytes); load it again", path=self.path)
 
     def read_into(self, out: np.ndarray, offset: int) -> None:
         """Fill ``out`` (a contiguous uint8 array) with the bytes at ``offset``."""
         want = out.nbytes
         limit = want
         if fault_hook is not None:
-            limit = self._fault(offset, want)
+            r = self._inject(offset, want)
+            if r is not None:
+                limit = r
         mv = memoryview(out).cast("B")
         got = 0
         while got < want:
@@ -146,7 +165,11 @@ class MmapSource(FileSource):
 
     def read_into(self, out: np.ndarray, offset: int) -> None:
         want = out.nbytes
-        limit = self._fault(offset, want) if fault_hook is not None else want
+        limit = want
+        if fault_hook is not None:
+            r = self._inject(offset, want)
+            if r is not None:
+                limit = r
         if offset + want > min(self.size(), self._array.size) or limit < want:
             raise self._short(offset, max(0, min(limit, self.size() - offset)), want)
         np.copyto(out.reshape(-1), self._array[offset:offset + want])
@@ -156,7 +179,11 @@ class MmapSource(FileSource):
         """One strided copy out of the mapping: a column slice ``x[:, a:b]`` touches only its
         columns' bytes instead of copying every row whole into scratch (``bytes_read`` counts the
         bytes copied; the fault hook sees the run's whole span, which must exist)."""
-        limit = self._fault(run.src, run.span) if fault_hook is not None else run.span
+        limit = run.span
+        if fault_hook is not None:
+            r = self._inject(run.src, run.span)
+            if r is not None:
+                limit = r
         if run.src + run.span > min(self.size(), self._array.size) or limit < run.span:
             raise self._short(run.src, max(0, min(limit, self.size() - run.src)), run.span)
         rows = np.lib.stride_tricks.as_strided(self._array[run.src:], (run.height, run.width), (run.pitch, 1),
@@ -199,7 +226,9 @@ class DirectSource(FileSource):
             raise ValueError("scratch buffer too small for an aligned direct read")
         limit = hi - lo
         if fault_hook is not None:
-            limit = min(limit, self._fault(offset, length) + (offset - lo))
+            r = self._inject(offset, length)
+            if r is not None:
+                limit = min(limit, (r + (offset - lo)) // ALIGN * ALIGN)   # O_DIRECT lengths stay aligned
         mv = memoryview(buf).cast("B")
         got = 0
         need = offset + length - lo
@@ -249,8 +278,10 @@ def open_source(path, backend: str = "pread", expected_size: int | None = None) 
 _libc = None
 
 
-def resident_fraction(path: str | os.PathLike, samples: int = 4096) -> float:
-    """Fraction of the file's pages in the page cache (mincore on a sampled mapping)."""
+def resident_fraction(path: str | os.PathLike, samples: int = 256) -> float:
+    """Fraction of the file's pages in the page cache, from ``samples`` pages spread evenly
+    over it (one mincore call each: O(samples), not O(file size), so it costs well under a
+    millisecond even for a multi-GB shard)."""
     global _libc
     size = os.path.getsize(path)
     if size == 0:
@@ -269,13 +300,16 @@ def resident_fraction(path: str | os.PathLike, samples: int = 4096) -> float:
             if addr in (None, ctypes.c_void_p(-1).value):
                 return 1.0
             try:
-                pages = -(-size // mmap.PAGESIZE)
-                vec = (ctypes.c_ubyte * pages)()
-                if _libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
-                    return 1.0
-                arr = np.frombuffer(vec, np.uint8)
-                step = max(1, pages // samples)
-                return float((arr[::step] & 1).mean())
+                page = mmap.PAGESIZE
+                pages = -(-size // page)
+                picks = sorted({min(pages - 1, (i * pages) // samples) for i in range(samples)})
+                vec = ctypes.c_ubyte()
+                hits = 0
+                for p in picks:
+                    if _libc.mincore(ctypes.c_void_p(addr + p * page), page, ctypes.byref(vec)) != 0:
+                        return 1.0
+                    hits += vec.value & 1
+                return hits / len(picks)
             finally:
                 _libc.munmap(ctypes.c_void_p(addr), size)
         finally:

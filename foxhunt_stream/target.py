@@ -40,9 +40,11 @@ class HostTarget:
             self._pool = host_pool(self.scratch_bytes, self.n_slots)
         return self._pool
 
-    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer):
+    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None):
         if run.height == 1 and source.direct_reads:
             source.read_into(buf.host[run.dst:run.dst + run.width], run.src)
+            if inspect is not None:   # checksums: hash the landed bytes on this worker thread
+                inspect(buf.host[run.dst:run.dst + run.width])
             return None
         if run.height > 1 and source.gather(run, buf.host[run.dst:run.dst + run.nbytes]):
             return None   # a mapped source copied only the selected columns, no scratch
@@ -52,6 +54,8 @@ class HostTarget:
             copy_2d(source.read_span(run.src, run.span, slot.array), run, buf.host)
         finally:
             pool.release(slot)
+        if inspect is not None:
+            inspect(buf.host[run.dst:run.dst + run.nbytes])
         return None
 
 
@@ -67,7 +71,7 @@ class CudaTarget:
     def pool(self) -> StagingPool:
         return self.ctx.pool(self.slot_bytes, self.n_slots)
 
-    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer):
+    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None):
         cp, rt = self.cp, self._rt
         stream = self.ctx.stream(worker)
         pool = self.pool()
@@ -85,6 +89,8 @@ class CudaTarget:
                                      rt.memcpyHostToDevice, stream.ptr)
                 event = cp.cuda.Event(block=False, disable_timing=True)
                 event.record(stream)
+            if inspect is not None:   # checksums: hash the pinned bytes while the copy runs
+                inspect(view)
         finally:
             pool.release(slot, event)
         return event

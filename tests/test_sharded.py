@@ -548,9 +548,15 @@ def test_get_slice_basic_indices_match_numpy_across_shards_and_backends(ckpt, da
                                       "layers.0.norm"]))
     index = data.draw(basic_index(t[name].shape))
     backend = data.draw(st.sampled_from(["pread", "mmap"]))
+    try:
+        want = t[name][index]
+    except IndexError:   # the strategy can shift an int onto a shorter dim: numpy refuses, so must we
+        with fs.safe_open(d, backend=backend, direct_io="off") as f, pytest.raises(IndexError):
+            f.get_slice(name)[index]
+        return
     with fs.safe_open(d, backend=backend, direct_io="off", chunk_bytes=4096, threads=2) as f:
         got = f.get_slice(name)[index]
-    np.testing.assert_array_equal(got, t[name][index])
+    np.testing.assert_array_equal(got, want)
     assert got.shape == t[name][index].shape
 
 

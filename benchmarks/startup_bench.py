@@ -1,0 +1,505 @@
+#!/usr/bin/env python
+"""Startup benchmark: wall time from spawning python to the first forward pass done on the GPU.
+
+    python benchmarks/startup_bench.py /data/llama3-8b-shaped [--cold] [--repeat 3] \\
+        [--json startup.json] [--plot startup.png]
+
+Creates the checkpoint once (a Llama-3-8B-shaped model with random bf16 weights, built on the
+meta device, materialised on the GPU, randomly initialised there and written by
+``save_pretrained`` in 5 GB shards; ``--layers`` makes it smaller), then runs each variant in a
+fresh process (``python -c``), so every run pays imports, CUDA start and allocations:
+
+    F   floor: import torch + transformers, start CUDA, build the model on meta (no weights)
+    E   F + to_empty on the device + a forward with uninitialised weights (no load at all)
+    1   AutoModelForCausalLM.from_pretrained(dir, dtype=bfloat16, device_map=device)
+    2   meta model + to_empty + fs.torch.load_model (fs.warmup timed separately)
+    2p  2, with fs.prefetch(dir) as the very first statement, before torch is imported
+    3   meta model + safetensors load_file(device=...) per shard + load_state_dict(assign=True)
+
+Each variant ends with a 1-token forward and torch.cuda.synchronize(); the child reports
+time.time() then, and phase stamps along the way. Hot runs first read every file once (page
+cache warm); ``--cold`` adds runs after ``echo 3 > /proc/sys/vm/drop_caches`` (root), which also
+evicts python's and torch's own files, as on a real cold start - so F is measured cold too.
+A variant's failure is printed and recorded, and the others still run.
+
+Each run of the full-size model takes roughly 15-40 s. Where one command may only last minutes,
+split the work and accumulate: ``--variants F,E,1 --json r.json``, then ``--variants 2,2p,3
+--json r.json --append``, and so on (the table and plot cover every run in the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ("F", "E", "1", "2", "2p", "3")
+LABELS = {
+    "F": "floor (imports, CUDA, meta model)",
+    "E": "empty model + forward (no weights)",
+    "1": "transformers from_pretrained",
+    "2": "meta + to_empty + fs.torch.load_model",
+    "2p": "2 + fs.prefetch first",
+    "3": "safetensors load_file + assign",
+}
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                 tie_word_embeddings=False)
+TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)
+
+
+# ---------------------------------------------------------------- (a) the checkpoint
+
+def checkpoint_files(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".safetensors"))
+
+
+def create_checkpoint(directory: str, layers: int, device: str, tiny: bool, shard_size: str) -> None:
+    """A Llama-3-8B-shaped model with random bf16 weights, made on ``device`` and saved once."""
+    import inspect
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = dict(LLAMA3_8B, num_hidden_layers=layers)
+    if tiny:
+        cfg.update(TINY)
+    config = LlamaConfig(**cfg)
+    t = time.perf_counter()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+    os.makedirs(directory, exist_ok=True)
+    kw = {"max_shard_size": shard_size}
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        kw["safe_serialization"] = True
+    model.save_pretrained(directory, **kw)
+    size = sum(os.path.getsize(f) for f in checkpoint_files(directory))
+    print(f"created {directory}: {len(checkpoint_files(directory))} shard(s), {size / 2**30:.2f} GiB, "
+          f"{time.perf_counter() - t:.1f} s", flush=True)
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- (b) the child programs
+
+HELPERS = '''
+def fix_rotary(model, dev):
+    """Rotary tables are non-persistent buffers: no checkpoint holds them, and to_empty leaves
+    them garbage (assign leaves them on meta). Rebuild each rotary module on the device."""
+    import torch
+    for name, mod in list(model.named_modules()):
+        if "inv_freq" not in getattr(mod, "_buffers", {}):
+            continue
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        with torch.device(dev):
+            new = type(mod)(getattr(mod, "config", model.config))
+        setattr(parent, name.rsplit(".", 1)[-1], new)
+'''
+
+
+def child_program(variant: str, directory: str, device: str) -> str:
+    """The ``python -c`` program of one variant. Stamps are time.time() (comparable with the
+    parent's spawn time); the last line printed is ``RESULT {json}``."""
+    cuda = device.startswith("cuda")
+    sync = "torch.cuda.synchronize()" if cuda else "pass"
+    init = "torch.cuda.init(); torch.empty(1, device=DEV); torch.cuda.synchronize()" if cuda else ""
+    pre = ""
+    if variant == "2p":
+        pre = f"""
+import foxhunt_stream as fs
+PF = fs.prefetch({directory!r})
+T["prefetch_started"] = time.time()
+"""
+    head = f"""
+import time
+T = {{"start": time.time()}}
+NOTES = []
+{pre}
+import json, sys
+import torch
+T["import_torch"] = time.time()
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+T["import_transformers"] = time.time()
+DIR, DEV = {directory!r}, {device!r}
+{init}
+T["cuda_init"] = time.time()
+{HELPERS}
+def meta_model():
+    config = AutoConfig.from_pretrained(DIR)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+def forward(model):
+    model.eval()
+    with torch.inference_mode():
+        out = model(torch.tensor([[1]], device=DEV)).logits
+        {sync}
+    return float(out.float().abs().sum())
+"""
+    if variant == "F":
+        body = """
+model = meta_model()
+T["meta_model"] = time.time()
+"""
+    elif variant == "E":
+        body = """
+model = meta_model()
+T["meta_model"] = time.time()
+model.to_empty(device=DEV)
+fix_rotary(model, DEV)
+T["to_empty"] = time.time()
+forward(model)
+T["forward"] = time.time()
+"""
+    elif variant == "1":
+        body = """
+try:
+    model = AutoModelForCausalLM.from_pretrained(DIR, dtype=torch.bfloat16, device_map=DEV)
+except ValueError as e:
+    if "accelerate" not in str(e):
+        raise
+    NOTES.append("no accelerate installed: from_pretrained without device_map, then .to(device)")
+    model = AutoModelForCausalLM.from_pretrained(DIR, dtype=torch.bfloat16).to(DEV)
+T["load"] = time.time()
+forward(model)
+T["forward"] = time.time()
+"""
+    elif variant in ("2", "2p"):
+        body = """
+import foxhunt_stream as fs
+import foxhunt_stream.torch
+T["import_foxhunt"] = time.time()
+model = meta_model()
+T["meta_model"] = time.time()
+model.to_empty(device=DEV)
+T["to_empty"] = time.time()
+WARMUP = fs.warmup(DEV)
+T["fs_warmup"] = time.time()
+missing, unexpected = fs.torch.load_model(model, DIR)
+assert not missing and not unexpected, (missing, unexpected)
+T["load"] = time.time()
+fix_rotary(model, DEV)
+forward(model)
+T["forward"] = time.time()
+"""
+        if variant == "2p":
+            body += """
+T["prefetch_bytes"] = PF.bytes_done
+T["prefetch_total"] = PF.nbytes
+"""
+    elif variant == "3":
+        body = """
+import os
+from safetensors.torch import load_file
+T["import_safetensors"] = time.time()
+model = meta_model()
+T["meta_model"] = time.time()
+sd = {}
+for f in sorted(os.listdir(DIR)):
+    if f.endswith(".safetensors"):
+        sd.update(load_file(os.path.join(DIR, f), device=DEV))
+""" + ("torch.cuda.synchronize()\n" if cuda else "") + """
+T["load_file"] = time.time()
+model.load_state_dict(sd, strict=True, assign=True)
+T["load"] = time.time()
+fix_rotary(model, DEV)
+forward(model)
+T["forward"] = time.time()
+"""
+    else:
+        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    tail = """
+T["done"] = time.time()
+extra = {"warmup": WARMUP} if "WARMUP" in globals() else {}
+print("RESULT " + json.dumps({"stamps": T, "notes": NOTES, **extra}), flush=True)
+"""
+    return textwrap.dedent(head) + textwrap.dedent(body) + textwrap.dedent(tail)
+
+
+# ---------------------------------------------------------------- running
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def warm_cache(files: list[str]) -> None:
+    buf = bytearray(64 << 20)
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def run_variant(variant: str, directory: str, device: str, timeout: float) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    code = child_program(variant, directory, device)
+    spawn = time.time()
+    try:
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    result = None
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[7:])
+    if r.returncode != 0 or result is None:
+        return {"error": f"exit {r.returncode}: " + (r.stderr.strip()[-2000:] or r.stdout.strip()[-2000:])}
+    stamps = result["stamps"]
+    out = {"total_s": stamps["done"] - spawn,
+           "phases_s": _phases(spawn, stamps)}
+    if "warmup" in result:
+        out["fs_warmup_detail_s"] = result["warmup"]
+    if result.get("notes"):
+        out["notes"] = result["notes"]
+    for k in ("prefetch_bytes", "prefetch_total"):
+        if k in stamps:
+            out[k] = stamps[k]
+    return out
+
+
+def _phases(spawn: float, stamps: dict) -> dict:
+    """Durations between consecutive stamps, the first measured from the spawn."""
+    out, prev = {}, spawn
+    for k, v in stamps.items():
+        if k in ("prefetch_bytes", "prefetch_total"):
+            continue
+        out["python_start" if k == "start" else k] = v - prev
+        prev = v
+    out.pop("done", None)
+    return out
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def summarize(runs: list[dict], nbytes: int) -> dict:
+    summary: dict = {}
+    for mode in sorted({r["mode"] for r in runs}):
+        totals = {v: [r["total_s"] for r in runs if r["mode"] == mode and r["variant"] == v and "total_s" in r]
+                  for v in VARIANTS}
+        floor = median(totals["F"])
+        summary[mode] = {}
+        for v, xs in totals.items():
+            if not xs:
+                errs = [r["error"] for r in runs if r["mode"] == mode and r["variant"] == v and "error" in r]
+                if errs:
+                    summary[mode][v] = {"error": errs[-1][:300]}
+                continue
+            loads = [r["phases_s"].get("load") for r in runs
+                     if r["mode"] == mode and r["variant"] == v and r.get("phases_s", {}).get("load")]
+            med = median(xs)
+            row = {"total_s": med, "min_s": min(xs), "runs": len(xs),
+                   "minus_floor_s": med - floor if floor is not None else None}
+            ok = [r for r in runs if r["mode"] == mode and r["variant"] == v and "phases_s" in r]
+            row["phases_s"] = {k: median([r["phases_s"][k] for r in ok if k in r["phases_s"]])
+                               for k in ok[-1]["phases_s"]} if ok else {}
+            if loads:
+                row["load_phase_s"] = median(loads)
+                row["load_GBps"] = nbytes / median(loads) / 1e9
+            summary[mode][v] = row
+    return summary
+
+
+def print_table(summary: dict, nbytes: int) -> None:
+    print(f"\ncheckpoint: {nbytes / 2**30:.2f} GiB; seconds from spawning python to the first forward done "
+          "(median of runs); 'minus F' subtracts the floor\n")
+    modes = list(summary)
+    head = f"{'variant':<42}" + "".join(f"{m + ' total':>12}{m + ' minus F':>14}{m + ' load GB/s':>15}" for m in modes)
+    print(head)
+    print("-" * len(head))
+    for v in VARIANTS:
+        cells = []
+        present = False
+        for m in modes:
+            row = summary[m].get(v)
+            if row is None:
+                cells.append(f"{'':>12}{'':>14}{'':>15}")
+            elif "error" in row:
+                present = True
+                cells.append(f"{'error':>12}{'':>14}{'':>15}")
+            else:
+                present = True
+                mf = row.get("minus_floor_s")
+                gbps = row.get("load_GBps")
+                cells.append(f"{row['total_s']:>12.2f}{(f'{mf:+.2f}' if mf is not None else '-'):>14}"
+                             f"{(f'{gbps:.1f}' if gbps else '-'):>15}")
+        if present:
+            print(f"{v + '  ' + LABELS[v]:<42}" + "".join(cells))
+    print("\nphases (median seconds, each from the previous stamp; python_start from the spawn):")
+    for m in modes:
+        for v in VARIANTS:
+            phases = summary[m].get(v, {}).get("phases_s")
+            if phases:
+                print(f"  [{m}] {v:<3} " + "  ".join(f"{k} {x:.2f}" for k, x in phases.items()))
+    for m in modes:
+        for v, row in summary[m].items():
+            if "error" in row:
+                print(f"\n[{m}] variant {v} failed: {row['error']}")
+
+
+def plot(summary: dict, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(summary)
+    shown = [v for v in VARIANTS if any(v in summary[m] and "total_s" in summary[m][v] for m in modes)]
+    fig, ax = plt.subplots(figsize=(1.6 * len(shown) + 3, 4.8))
+    width = 0.8 / max(1, len(modes))
+    colors = {"hot": "#d95f02", "cold": "#1b9e77"}
+    for i, m in enumerate(modes):
+        floor = summary[m].get("F", {}).get("total_s") or 0.0
+        for j, v in enumerate(shown):
+            row = summary[m].get(v, {})
+            if "total_s" not in row:
+                continue
+            x = j + (i - (len(modes) - 1) / 2) * width
+            color = colors.get(m, f"C{i}")
+            base = min(floor, row["total_s"])
+            ax.bar(x, base, width, color="#bbbbbb", edgecolor=color, linewidth=1.5,
+                   label=f"{m}: floor F" if v == "F" else None)
+            if v != "F":
+                ax.bar(x, row["total_s"] - base, width, bottom=base, color=color,
+                       label=f"{m}: above F" if j == shown.index(v) and v == next(w for w in shown if w != "F") else None)
+            ax.text(x, row["total_s"], f"{row['total_s']:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(shown)))
+    ax.set_xticklabels([f"{v}\n{LABELS[v]}" for v in shown], fontsize=7)
+    ax.set_ylabel("seconds, spawn to first forward (grey: floor F)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    print(f"wrote {path}")
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _gpu_name(device: str) -> str | None:
+    if not device.startswith("cuda"):
+        return None
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("directory", help="checkpoint directory (created on first use)")
+    ap.add_argument("--layers", type=int, default=32, help="decoder layers (32 = Llama-3-8B)")
+    ap.add_argument("--tiny", action="store_true", help="tiny widths too (a smoke test, e.g. with --device cpu)")
+    ap.add_argument("--shard-size", default="5GB", help="max_shard_size for save_pretrained (default 5GB)")
+    ap.add_argument("--recreate", action="store_true", help="write the checkpoint again even if present")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from {','.join(VARIANTS)}")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per variant and mode (median reported)")
+    ap.add_argument("--cold", action="store_true", help="also run cold (drop caches before each run; root)")
+    ap.add_argument("--no-hot", action="store_true", help="skip the hot runs")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per child run")
+    ap.add_argument("--json", help="write every run and the summary here")
+    ap.add_argument("--append", action="store_true",
+                    help="add to the runs already in --json (split a long benchmark over several commands)")
+    ap.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")
+    args = ap.parse_args(argv)
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    directory = os.path.abspath(args.directory)
+    if args.recreate or not (os.path.isfile(os.path.join(directory, "config.json"))
+                             and checkpoint_files(directory)):
+        create_checkpoint(directory, args.layers, args.device, args.tiny, args.shard_size)
+    files = checkpoint_files(directory)
+    nbytes = sum(os.path.getsize(f) for f in files)
+    modes = ([] if args.no_hot else ["hot"]) + (["cold"] if args.cold else [])
+    if "cold" in modes:
+        try:
+            drop_caches()
+        except OSError as e:
+            print(f"--cold needs root and a writable /proc/sys/vm/drop_caches ({e}); skipping the cold runs",
+                  file=sys.stderr)
+            modes.remove("cold")
+
+    runs: list[dict] = []
+    if args.append and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            old = json.load(f)
+        if old.get("checkpoint_bytes") != nbytes:
+            ap.error(f"--append: {args.json} measured another checkpoint ({old.get('checkpoint_bytes')} bytes)")
+        runs = old["runs"]
+        print(f"appending to the {len(runs)} run(s) already in {args.json}")
+    for mode in modes:
+        for rep in range(args.repeat):
+            for v in variants:
+                if mode == "hot":
+                    warm_cache(files)
+                else:
+                    drop_caches()
+                r = run_variant(v, directory, args.device, args.timeout)
+                r.update(variant=v, mode=mode, repeat=rep)
+                runs.append(r)
+                status = f"{r['total_s']:.2f} s" if "total_s" in r else "FAILED: " + r["error"].splitlines()[-1][:200]
+                print(f"[{mode} {rep + 1}/{args.repeat}] {v:<3} {status}", flush=True)
+                for note in r.get("notes", []):
+                    print(f"      note: {note}", flush=True)
+
+    summary = summarize(runs, nbytes)
+    print_table(summary, nbytes)
+    report = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": _git_commit(), "host": platform.node(), "gpu": _gpu_name(args.device),
+        "python": sys.version.split()[0], "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "directory": directory, "files": len(files), "checkpoint_bytes": nbytes, "device": args.device,
+        "summary": summary, "runs": runs,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            plot(summary, args.plot, f"{nbytes / 2**30:.2f} GiB checkpoint in {len(files)} file(s), "
+                                     f"{report['gpu'] or args.device}, {report['date']}")
+        except Exception as e:  # noqa: BLE001 - a missing matplotlib must not lose the numbers
+            print(f"plot failed: {e}", file=sys.stderr)
+    return 0 if all("total_s" in r for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

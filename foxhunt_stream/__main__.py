@@ -1,0 +1,7 @@
+"""``python -m foxhunt_stream``: the command line (see ``foxhunt_stream.cli``)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

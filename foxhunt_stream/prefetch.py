@@ -1,0 +1,296 @@
+"""Getting ready before a load: warm the page cache (``prefetch``) and the device (``warmup``).
+
+An inference server spends its first seconds importing torch and starting CUDA, while the disk
+sits idle. ``prefetch(source)`` needs neither torch nor cupy, so it can be the very first
+statement of the process: it reads the checkpoint's headers, then reader threads (a
+``pipeline.Job``) pull the selected bytes into the page cache - a ``posix_fadvise(WILLNEED)``
+hint per piece, so the kernel queues the whole piece at once, then ``pread`` through one small
+reusable buffer per thread - and a later load finds its bytes in memory. Files already resident
+are skipped. While a prefetch of a file is in flight the loader does not choose O_DIRECT for it
+(``warming``), so the two read through the same cache instead of racing for the disk.
+
+``warmup(device)`` pays the other first-load costs up front (cupy import, CUDA context, the pinned
+staging pool, one stream per worker) and says how long each took.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from . import settings as _settings
+from .checkpoint import Checkpoint, Names, open_checkpoint, select
+from .pipeline import Cancelled, Job
+from .source import FileSource, open_source, resident_fraction
+
+READ_BYTES = 1 << 20   # the reusable buffer per reader thread: the page cache is the real destination
+METHODS = ("read", "advise")
+DEFAULT_THREADS = 8    # readers when the caller names none (at most the loader's thread count)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One unit of prefetch work: ``length`` bytes at ``offset`` of file ``file``."""
+    file: int
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def plan_pieces(spans: Sequence[Sequence[tuple[int, int]]], piece_bytes: int) -> list[Piece]:
+    """Pure: per file, merge the ``(start, end)`` byte spans and cut them into pieces of at most
+    ``piece_bytes``, ordered by file then offset (the order a load reads in)."""
+    if piece_bytes <= 0:
+        raise ValueError("piece size must be positive")
+    out: list[Piece] = []
+    for f, file_spans in enumerate(spans):
+        merged: list[list[int]] = []
+        for start, end in sorted(file_spans):
+            if end <= start:
+                continue
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        for start, end in merged:
+            for off in range(start, end, piece_bytes):
+                out.append(Piece(f, off, min(piece_bytes, end - off)))
+    return out
+
+
+def _spans(ck: Checkpoint, chosen: list[str], whole_files: bool) -> list[list[tuple[int, int]]]:
+    if whole_files:   # headers too: the loader reads them again
+        return [[(0, h.file_size)] for h in ck.headers]
+    spans: list[list[tuple[int, int]]] = [[] for _ in ck.paths]
+    for n in chosen:
+        f, info = ck.names[n]
+        base = ck.headers[f].data_start
+        spans[f].append((base + info.start, base + info.end))
+    return spans
+
+
+_live: "weakref.WeakSet[PrefetchHandle]" = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def warming(path: str | os.PathLike) -> bool:
+    """Whether a prefetch of ``path`` is still running in this process."""
+    real = os.path.realpath(path)
+    with _live_lock:
+        handles = list(_live)
+    return any(not h.done() and real in h._real_paths for h in handles)
+
+
+class PrefetchHandle:
+    """A prefetch in flight. ``wait()`` blocks until every piece is read (``wait(name)``: only
+    that tensor's bytes) and re-raises a reader's error; ``done()`` polls; ``cancel()`` stops the
+    readers and joins them."""
+
+    def __init__(self, ck: Checkpoint, pieces: list[Piece], sources: dict[int, FileSource],
+                 name_pieces: dict[str, tuple[int, int]], threads: int, method: str) -> None:
+        self.paths = list(ck.paths)
+        self._real_paths = {os.path.realpath(p) for p in ck.paths}
+        self.pieces = pieces
+        self.nbytes = sum(p.length for p in pieces)
+        self._sources = sources
+        self._name_pieces = name_pieces
+        self._method = method
+        self._landed = bytearray(len(pieces))
+        self._remaining = len(pieces)
+        self._bytes_done = 0
+        self._cond = threading.Condition()
+        self._buffers: list[np.ndarray | None] = [None] * max(1, threads)
+        self._closer = weakref.finalize(self, _close_sources, sources)
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+        self._job = Job(pieces, self._work, threads, self._on_done, name="foxhunt-prefetch",
+                        setup=self._setup)
+        if not pieces:
+            self._closer()
+            self.finished = self.started
+        with _live_lock:
+            _live.add(self)
+        self._job.start()
+
+    # -- workers
+    def _setup(self, worker: int) -> None:
+        if self._method == "read":
+            self._buffers[worker] = np.empty(READ_BYTES, np.uint8)
+
+    def _work(self, worker: int, piece: Piece) -> None:
+        src = self._sources[piece.file]
+        try:
+            os.posix_fadvise(src.fd, piece.offset, piece.length, os.POSIX_FADV_WILLNEED)
+        except (AttributeError, OSError):   # a hint only: not every platform/filesystem takes it
+            pass
+        if self._method == "advise":
+            return
+        buf = self._buffers[worker]
+        for off in range(piece.offset, piece.end, READ_BYTES):
+            if self._job.cancelled():
+                raise Cancelled("cancelled")   # not landed: on_done must not run for this piece
+            src.read_into(buf[:min(READ_BYTES, piece.end - off)], off)
+
+    def _on_done(self, i: int, piece: Piece, _result) -> None:
+        with self._cond:
+            self._landed[i] = 1
+            self._bytes_done += piece.length
+            self._remaining -= 1
+            last = self._remaining == 0
+            self._cond.notify_all()
+        if last:
+            self.finished = time.perf_counter()
+            self._closer()
+
+    # -- the handle
+    @property
+    def bytes_done(self) -> int:
+        """Bytes of the pieces finished so far (skipped resident files not counted)."""
+        return self._bytes_done
+
+    def done(self) -> bool:
+        return self._job.done()
+
+    def wait(self, name: str | None = None, timeout: float | None = None) -> None:
+        """Block until the prefetch (or only tensor ``name``'s bytes) is in the page cache.
+
+        Re-raises the first reader error (``pipeline.Cancelled`` after ``cancel``); TimeoutError
+        if ``timeout`` seconds pass first.
+        """
+        if name is None:
+            self._job.wait(timeout)
+            return
+        try:
+            a, b = self._name_pieces[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not part of this prefetch") from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not all(self._landed[a:b]):
+                if self._job.done():
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"prefetch of {name!r} still running")
+                self._cond.wait(0.05 if left is None else min(left, 0.05))
+            ok = all(self._landed[a:b])
+        if not ok:
+            self._job.wait()   # raises the error that stopped it
+            raise RuntimeError(f"prefetch ended before {name!r} was read")
+
+    def cancel(self) -> None:
+        """Stop the readers (each finishes at most its current 1 MiB read) and close the files."""
+        self._job.cancel()
+        try:
+            self._job.wait()
+        except BaseException:
+            pass
+        self._closer()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return (f"<PrefetchHandle {state}: {self._bytes_done}/{self.nbytes} bytes of {len(self.paths)} file(s), "
+                f"{self._method}>")
+
+
+def _close_sources(sources: dict[int, FileSource]) -> None:
+    for src in sources.values():
+        src.close()
+
+
+def prefetch(source, names: Names = None, *, method: str = "read", skip_resident: bool = True,
+             **options) -> PrefetchHandle:
+    """Start warming the page cache with a checkpoint's bytes; returns at once with a handle.
+
+    ``source`` and ``names`` are as in ``load_file`` (``names=None``: whole files). ``method``:
+    ``"read"`` (hint, then read through a small buffer: done() means resident) or ``"advise"``
+    (``posix_fadvise(WILLNEED)`` only: no copies, but the kernel may still be reading after
+    done()). Files already fully resident are skipped (``skip_resident``). Options as for the
+    loader: ``threads`` (readers; default the loader's count, at most 8), ``chunk_bytes`` (the
+    piece each reader hints and reads at a time).
+    Needs neither torch nor cupy; call it before importing them.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    s = _settings.merge(**options)
+    # A disk streams sequentially with a few readers (each has a whole piece in flight); more
+    # would only compete with the imports running meanwhile for the same disk and cores.
+    threads = s.threads if options.get("threads") else min(DEFAULT_THREADS, s.threads)
+    ck = open_checkpoint(source)
+    chosen = select(ck, names)
+    spans = _spans(ck, chosen, names is None)
+    if skip_resident:
+        for f, path in enumerate(ck.paths):
+            if spans[f] and resident_fraction(path, samples=1 << 62) >= 1.0:
+                spans[f] = []
+    pieces = plan_pieces(spans, s.chunk_bytes)
+    keys = [(p.file, p.offset) for p in pieces]
+    name_pieces: dict[str, tuple[int, int]] = {}
+    for n in chosen:
+        f, info = ck.names[n]
+        base = ck.headers[f].data_start
+        start, end = base + info.start, base + info.end
+        # pieces overlapping [start, end): from the last piece starting at or before start
+        a = max(0, bisect.bisect_right(keys, (f, start)) - 1)
+        while a < len(pieces) and (pieces[a].file, pieces[a].end) <= (f, start):
+            a += 1
+        b = bisect.bisect_left(keys, (f, end))
+        name_pieces[n] = (a, max(a, b))
+    sources: dict[int, FileSource] = {}
+    try:
+        for f in sorted({p.file for p in pieces}):
+            sources[f] = open_source(ck.paths[f], "pread", ck.headers[f].file_size)
+    except BaseException:
+        _close_sources(sources)
+        raise
+    return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method)
+
+
+def warmup(device="cuda:0", **options) -> dict[str, float]:
+    """Pay a load's first-use costs now; returns the seconds each step took.
+
+    For a GPU: importing cupy, creating the CUDA context, allocating the pinned staging pool
+    (sized by ``chunk_bytes``/``staging_bytes``, and reused by every later load and save with
+    the same settings) and one stream per worker thread. For ``"cpu"``: the host scratch pool.
+    """
+    from .device import context, cupy, parse_device, check_device
+    from .target import CudaTarget, HostTarget
+
+    s = _settings.merge(**options)
+    dev = parse_device(device)
+    t = time.perf_counter()
+    out: dict[str, float] = {}
+
+    def lap(key: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        out[key] = now - t
+        t = now
+
+    if not dev.is_cuda:
+        HostTarget(s.chunk_bytes, s.n_slots).pool()
+        lap("host_pool")
+        return out
+    cp = cupy()
+    lap("import_cupy")
+    check_device(dev)
+    with cp.cuda.Device(dev.index):
+        cp.cuda.runtime.free(0)   # forces the (primary) context into existence
+    lap("context")
+    CudaTarget(dev.index, s.chunk_bytes, s.n_slots).pool()
+    lap("pinned_pool")
+    ctx = context(dev.index)
+    for w in range(s.threads):
+        ctx.stream(w)
+    lap("streams")
+    return out

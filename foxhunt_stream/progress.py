@@ -1,0 +1,78 @@
+"""Progress bars for long loads and saves (tqdm, the optional ``progress`` extra).
+
+``progress=None`` (the default of load_file / load_into / save_file): a bar appears on a
+terminal once the operation has run for about a second, never in a pipe or a log file.
+``progress=True`` always draws one (on stderr), ``progress=False`` never does. Workers call
+``update(nbytes)`` from several threads as chunks complete; the bar counts bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+log = logging.getLogger("foxhunt_stream")
+
+AUTO_DELAY_S = 1.0   # with progress=None, show nothing for operations shorter than this
+_warned = False
+
+
+class Progress:
+    """A thread-safe byte counter drawing a tqdm bar; a no-op when ``bar`` is None."""
+
+    __slots__ = ("_bar", "_lock")
+
+    def __init__(self, bar=None) -> None:
+        self._bar = bar
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        return self._bar is not None
+
+    def update(self, nbytes: int) -> None:
+        if self._bar is not None:
+            with self._lock:
+                self._bar.update(nbytes)
+
+    def close(self) -> None:
+        """Idempotent: the bar is finished and released once."""
+        with self._lock:
+            bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close()
+
+
+NO_PROGRESS = Progress()
+
+
+def _wanted(progress: bool | None, stream) -> bool:
+    if progress is None:
+        isatty = getattr(stream, "isatty", None)
+        try:
+            return bool(isatty and isatty())
+        except ValueError:   # closed stream
+            return False
+    return bool(progress)
+
+
+def progress_bar(total_bytes: int, desc: str, progress: bool | None = None, stream=None) -> Progress:
+    """A bar over ``total_bytes`` (or the no-op NO_PROGRESS when none is wanted or possible)."""
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be True, False or None, got {progress!r}")
+    stream = sys.stderr if stream is None else stream
+    if total_bytes <= 0 or not _wanted(progress, stream):
+        return NO_PROGRESS
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        global _warned
+        if progress and not _warned:
+            _warned = True
+            log.warning("progress=True needs tqdm: pip install 'foxhunt-stream[progress]'")
+        return NO_PROGRESS
+    bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, file=stream,
+               delay=0 if progress else AUTO_DELAY_S, leave=bool(progress), dynamic_ncols=True,
+               mininterval=0.2)
+    return Progress(bar)

@@ -1,0 +1,292 @@
+"""torch front end: drop-ins for ``safetensors.torch`` (``load_file``, ``save_file``,
+``load_model``, ``save_model``), same signatures, plus ``materialize`` for meta-built modules.
+
+``load_model`` differs from the reference in where the bytes go: instead of loading a second
+copy of every tensor and handing it to ``load_state_dict``, it passes the module's own
+parameters and buffers to ``load_into`` as the destination, so the weights land in place (on
+whatever device each tensor lives) with no second allocation. Only tensors that cannot take the
+bytes as they are - another dtype (cast, as ``load_state_dict`` does), non-contiguous, a device
+the pipeline does not write to, or a state-dict entry that is not a parameter or buffer of the
+module - go through a temporary and ``load_state_dict``.
+
+Shared (tied) tensors follow the reference rules exactly: ``save_model`` keeps one name per
+shared storage and records the dropped ones in the metadata; ``load_model`` fills the kept name
+and reports the others neither missing nor (unless the file has them) unexpected.
+
+Importing this module imports torch (absolute import: ``torch`` below is the real one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections import defaultdict
+from typing import Mapping
+
+import torch
+
+from foxhunt_stream import loader as _loader
+from foxhunt_stream import saver as _saver
+from foxhunt_stream.checkpoint import open_checkpoint
+from foxhunt_stream.device import parse_device
+from foxhunt_stream.dtypes import host_shape
+from foxhunt_stream.errors import StoreMismatchError
+from foxhunt_stream.frameworks import TorchFramework
+
+log = logging.getLogger("foxhunt_stream")
+
+__all__ = ["load_file", "save_file", "load_model", "save_model", "materialize", "LoadModelError",
+           "MaterializeWarning"]
+
+
+class LoadModelError(StoreMismatchError, RuntimeError):
+    """load_model found missing/unexpected names (strict) or tensors that cannot be filled.
+
+    A RuntimeError like the reference's (and torch's ``load_state_dict``'s), and a
+    StoreMismatchError with the ``problems``, ``missing`` and ``unexpected`` lists.
+    """
+
+    def __init__(self, model_name: str, problems: list[str], missing=(), unexpected=()) -> None:
+        super().__init__(problems, missing=missing, unexpected=unexpected)
+        msg = f"Error(s) in loading state_dict for {model_name}:"
+        if self.missing:
+            msg += "\n    Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(self.missing))
+        if self.unexpected:
+            msg += "\n    Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(self.unexpected))
+        other = [p for p in self.problems if not p.endswith(("missing from the checkpoint",
+                                                             "in the checkpoint but not in the store"))]
+        if other:
+            msg += "\n    " + "\n    ".join(other)
+        self.args = (msg,)
+
+
+class MaterializeWarning(UserWarning):
+    """``materialize`` allocated tensors that the state dict does not fill (non-persistent buffers)."""
+
+
+# ---------------------------------------------------------------- flat dicts
+
+def load_file(filename: str | os.PathLike, device: str | int = "cpu", **options) -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load_file``: ``{name: torch.Tensor}`` on ``device``.
+
+    Also takes a list of files, an index.json or a directory, and the loader's options
+    (``names``, ``background``, ``threads``, ``backend``...).
+    """
+    return _loader.load_file(filename, device=device, framework="pt", **options)
+
+
+def save_file(tensors: Mapping[str, torch.Tensor], filename: str | os.PathLike,
+              metadata: Mapping[str, str] | None = None, **options) -> None:
+    """``safetensors.torch.save_file``: byte-identical output, written atomically."""
+    _saver.save_file(tensors, filename, metadata=metadata, **options)
+
+
+# ---------------------------------------------------------------- shared tensors (reference rules)
+
+def _storage_key(t: torch.Tensor):
+    try:
+        s = t.untyped_storage()
+        return t.device, s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _is_complete(t: torch.Tensor) -> bool:
+    s = t.untyped_storage()
+    return t.data_ptr() == s.data_ptr() and t.numel() * t.element_size() == s.nbytes()
+
+
+def _shared_groups(state: Mapping[str, torch.Tensor]) -> list[set[str]]:
+    """Names whose tensors overlap in memory, grouped (safetensors' ``_find_shared_tensors``)."""
+    by_storage: dict = defaultdict(set)
+    for name, t in state.items():
+        if t.device.type == "meta":
+            continue
+        key = _storage_key(t)
+        if key is None or key[1] == 0 or key[2] == 0:
+            continue
+        by_storage[key].add(name)
+    groups: list[set[str]] = []
+    for names in sorted(by_storage.values()):
+        if len(names) < 2:
+            groups.append(names)
+            continue
+        areas = sorted((state[n].data_ptr(), state[n].data_ptr() + state[n].numel() * state[n].element_size(), n)
+                       for n in names)
+        _, last_stop, first = areas[0]
+        groups.append({first})
+        for start, stop, name in areas[1:]:
+            if start >= last_stop:
+                groups.append({name})
+            else:
+                groups[-1].add(name)
+            last_stop = stop
+    return groups
+
+
+def shared_aliases(state: Mapping[str, torch.Tensor], preferred_names=()) -> dict[str, list[str]]:
+    """``{kept name: [dropped aliases]}`` for tensors sharing memory, chosen as safetensors does:
+    the alphabetically first name covering the whole storage, preferring ``preferred_names``."""
+    preferred = set(preferred_names)
+    out: dict[str, list[str]] = {}
+    for group in _shared_groups(state):
+        if len(group) < 2:
+            continue
+        complete = {n for n in group if _is_complete(state[n])}
+        if not complete:
+            raise RuntimeError(f"tensors {sorted(group)} share memory but none of them covers the whole storage; "
+                               "refusing to save (it could store much more than needed)")
+        keep = sorted(complete)[0]
+        if preferred & complete:
+            keep = sorted(preferred & complete)[0]
+        out[keep] = [n for n in sorted(group) if n != keep]
+    return out
+
+
+# ---------------------------------------------------------------- modules
+
+def save_model(model: torch.nn.Module, filename: str | os.PathLike, metadata: Mapping[str, str] | None = None,
+               force_contiguous: bool = True, **options) -> None:
+    """``safetensors.torch.save_model``: the state dict with one name per shared storage (each
+    dropped name recorded in the metadata as ``{dropped: kept}``); byte-identical to the reference.
+
+    ``force_contiguous`` is accepted for compatibility: non-contiguous tensors are always saved
+    (row by row), never copied whole.
+    """
+    state = model.state_dict()
+    meta = dict(metadata) if metadata is not None else None
+    for kept, dropped in shared_aliases(state).items():
+        for name in dropped:
+            if meta is None:
+                meta = {}
+            meta.setdefault(name, kept)
+            del state[name]
+    _saver.save_file(state, filename, metadata=meta, **options)
+
+
+def materialize(model: torch.nn.Module, device: str | int | torch.device = "cpu") -> list[str]:
+    """``model.to_empty(device=...)`` for the meta tensors only, keeping tied tensors tied.
+
+    Every parameter and buffer on the meta device gets uninitialised storage on ``device``
+    (``to_empty`` alone would untie shared weights, and would also wipe tensors that are already
+    real). Returns the names of the materialised tensors that the state dict does not hold
+    (non-persistent buffers such as rotary ``inv_freq``), which no load fills: the caller must
+    initialise those (a MaterializeWarning lists them too).
+    """
+    dev = torch.device(str(parse_device(device)))
+    memo: dict[int, torch.Tensor] = {}
+    done: list[str] = []
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for table in (mod._parameters, mod._buffers):
+            for key, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                new = memo.get(id(t))
+                if new is None:
+                    data = torch.empty_like(t, device=dev)
+                    new = torch.nn.Parameter(data, requires_grad=t.requires_grad) \
+                        if isinstance(t, torch.nn.Parameter) else data
+                    memo[id(t)] = new
+                table[key] = new
+                done.append(f"{mod_name}.{key}" if mod_name else key)
+    persistent = set(model.state_dict().keys())
+    unfilled = sorted({n for n in done if n not in persistent})
+    if unfilled:
+        warnings.warn(MaterializeWarning(
+            f"materialize: {len(unfilled)} tensor(s) are not in the state dict, so no load will fill them; "
+            f"initialise them yourself: {unfilled[:10]}"), stacklevel=2)
+    return unfilled
+
+
+_materialize = materialize   # load_model's keyword of the same name hides it there
+
+
+@_loader._reopen_if_replaced   # a file replaced under us: start over from the new headers
+def load_model(model: torch.nn.Module, filename: str | os.PathLike, strict: bool = True,
+               device: str | int | torch.device | None = "cpu", *, materialize: bool = False,
+               **options) -> tuple[set[str], list[str]]:
+    """``safetensors.torch.load_model``: fill ``model``'s parameters and buffers from a checkpoint.
+
+    Returns ``(missing, unexpected)`` like the reference: names of the model the file does not
+    fill, names of the file the model does not take (tied aliases count as neither). With
+    ``strict``, either raises LoadModelError (a RuntimeError) before any byte is read. A shape
+    mismatch is always an error.
+
+    The weights land in the module's own tensors, wherever they are (``device`` does not move
+    them: as in the reference, where it only chooses the staging device). A module built on the
+    meta device must be given storage first: ``model.to_empty(device=...)`` (then re-tie shared
+    weights) or ``materialize=True``, which does it here on ``device``, keeping ties (see
+    ``materialize``). ``source`` may also be a list, an index.json or a directory; options
+    as for ``load_into``.
+    """
+    state = model.state_dict(keep_vars=True)
+    on_meta = [n for n, t in state.items() if t.is_meta]
+    if on_meta:
+        if not materialize:
+            raise ValueError(f"load_model: {len(on_meta)} tensor(s) of the model are on the meta device "
+                             f"(e.g. {on_meta[:3]}); pass materialize=True (and device=...) or call "
+                             "model.to_empty(device=...) first")
+        _materialize(model, "cpu" if device is None else device)
+        state = model.state_dict(keep_vars=True)
+
+    ck = open_checkpoint(filename)
+    file_names = ck.file_order()
+    aliases = shared_aliases(state, preferred_names=file_names)
+    dropped = {n for names in aliases.values() for n in names}
+    store = {n: t for n, t in state.items() if n not in dropped}
+    missing = {n for n in store if n not in ck.names}
+    unexpected = [n for n in file_names if n not in store]
+    model_name = type(model).__name__
+    if strict and (missing or unexpected):
+        raise LoadModelError(model_name, [], missing=sorted(missing), unexpected=unexpected)
+
+    owned = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    fw = TorchFramework()
+    in_place: dict[str, torch.Tensor] = {}
+    indirect: list[str] = []
+    problems: list[str] = []
+    for n in file_names:
+        t = store.get(n)
+        if t is None:
+            continue
+        info = ck.names[n][1]
+        if tuple(t.shape) != host_shape(info.dtype, info.shape) and tuple(t.shape) != tuple(info.shape):
+            problems.append(f"{n}: shape {list(t.shape)} in the model, {list(info.shape)} in the file")
+        elif (id(t) in owned and t.dtype == fw.torch_dtype(info.dtype) and t.is_contiguous()
+              and t.device.type in ("cpu", "cuda")):
+            in_place[n] = t
+        elif info.dtype.sub_byte:
+            problems.append(f"{n}: {info.dtype.name} in the file cannot be cast to {t.dtype}")
+        else:
+            indirect.append(n)
+    if problems:
+        raise LoadModelError(model_name, problems, missing=sorted(missing), unexpected=unexpected)
+
+    _wait_torch_streams(in_place.values())
+    try:
+        _loader.load_into(in_place, ck, strict=True, names=list(in_place), **options)
+    except StoreMismatchError as e:
+        raise LoadModelError(model_name, e.problems, missing=sorted(missing), unexpected=unexpected) from e
+    if indirect:
+        _load_indirect(model, ck, {n: store[n] for n in indirect}, options)
+    return missing, unexpected
+
+
+def _wait_torch_streams(tensors) -> None:
+    """Writes go on the loader's own streams: first let torch finish what it queued on the
+    destinations (an init kernel, say)."""
+    for index in {t.device.index or 0 for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.current_stream(index).synchronize()
+
+
+def _load_indirect(model: torch.nn.Module, ck, targets: dict[str, torch.Tensor], options) -> None:
+    """Tensors that cannot take the bytes in place: load a temporary next to each and let
+    ``load_state_dict`` cast/copy it in (and run any custom ``_load_from_state_dict``)."""
+    by_device: dict[str, list[str]] = defaultdict(list)
+    for n, t in targets.items():
+        by_device[str(t.device) if t.device.type in ("cpu", "cuda") else "cpu"].append(n)
+    log.debug("load_model: %d tensor(s) through a temporary (dtype, layout or device)", len(targets))
+    for dev, names in by_device.items():
+        tmp = _loader.load_file(ck, device=dev, framework="pt", names=names, **options)
+        model.load_state_dict(tmp, strict=False)

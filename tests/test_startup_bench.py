@@ -1,0 +1,49 @@
+"""The startup benchmark's own logic (no torch, no GPU): the child programs it generates are
+valid Python for every variant and device, and the summary subtracts the floor per mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "startup_bench.py")
+_spec = importlib.util.spec_from_file_location("startup_bench", _PATH)
+sb = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sb)
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "cpu"])
+@pytest.mark.parametrize("variant", sb.VARIANTS)
+def test_child_programs_compile(variant, device):
+    code = sb.child_program(variant, "/models/it's here", device)
+    compile(code, f"<{variant}>", "exec")
+    assert code.rstrip().endswith('flush=True)') and "RESULT " in code
+    if variant == "2p":   # prefetch comes before torch is imported
+        assert code.index("fs.prefetch(") < code.index("import torch")
+    assert ("torch.cuda.synchronize()" in code) == device.startswith("cuda")
+
+
+def test_unknown_variant_is_refused():
+    with pytest.raises(ValueError, match="unknown variant"):
+        sb.child_program("4", "/x", "cpu")
+
+
+def test_phases_are_differences_between_stamps():
+    stamps = {"start": 10.5, "import_torch": 12.0, "load": 15.0, "done": 15.25}
+    assert sb._phases(10.0, stamps) == {"python_start": 0.5, "import_torch": 1.5, "load": 3.0}
+
+
+def test_summary_subtracts_each_modes_floor():
+    def run(v, mode, total, load=None):
+        phases = {"python_start": 0.1} | ({"load": load} if load else {})
+        return {"variant": v, "mode": mode, "total_s": total, "phases_s": phases}
+    runs = [run("F", "hot", 10.0), run("F", "hot", 12.0), run("2", "hot", 13.0, load=2.0),
+            run("F", "cold", 20.0), run("2", "cold", 30.0, load=8.0),
+            {"variant": "1", "mode": "hot", "error": "exit 1: boom"}]
+    s = sb.summarize(runs, nbytes=4_000_000_000)
+    assert s["hot"]["F"]["total_s"] == 11.0 and s["hot"]["2"]["minus_floor_s"] == 2.0
+    assert s["hot"]["2"]["load_GBps"] == 2.0
+    assert s["cold"]["2"]["minus_floor_s"] == 10.0 and s["cold"]["2"]["load_GBps"] == 0.5
+    assert s["hot"]["1"] == {"error": "exit 1: boom"} and "1" not in s["cold"]

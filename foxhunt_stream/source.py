@@ -302,7 +302,8 @@ def resident_fraction(path: str | os.PathLike, samples: int = 256) -> float:
             try:
                 page = mmap.PAGESIZE
                 pages = -(-size // page)
-                picks = sorted({min(pages - 1, (i * pages) // samples) for i in range(samples)})
+                n = min(samples, pages)   # more samples than pages = every page (and no 2**62 loop)
+                picks = sorted({min(pages - 1, (i * pages) // n) for i in range(n)})
                 vec = ctypes.c_ubyte()
                 hits = 0
                 for p in picks:

@@ -322,7 +322,8 @@ def test_load_into_torch_cpu_store(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4))
     src = {n: torch.randn_like(p) for n, p in model.state_dict().items()}
     path = tmp_path / "t.safetensors"
-    fs.save_file(src, path, metadata={"step": "3"})
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    safetensors_torch.save_file(src, str(path), metadata={"step": "3"})
     params = dict(model.named_parameters())
     ptrs = {n: p.data_ptr() for n, p in params.items()}
     assert fs.load_into(model.state_dict(), path) == {"step": "3"}
@@ -393,6 +394,33 @@ def test_save_big_endian_written_little_endian(tmp_path, dtype):
     out = fs.load_file(tmp_path / "x.safetensors")
     np.testing.assert_array_equal(out["x"], x)
     assert out["x"].dtype.byteorder in "=<|"
+
+
+def test_save_protocol_is_temp_fsync_rename_fsync_dir(tmp_path, monkeypatch):
+    """The bytes go to a temp file in the same directory, which is fsynced, renamed over the
+    target, and then the directory is fsynced (so the rename itself is durable)."""
+    path, _, _ = _old_file(tmp_path)
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("replace", os.fspath(a), os.fspath(b)))
+        real_replace(a, b)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    fs.save_file(_new_tensors(), path)
+    monkeypatch.undo()
+    assert [e[0] for e in events] == ["fsync", "replace", "fsync"], events
+    tmp = events[0][1]
+    assert os.path.dirname(tmp) == str(tmp_path) and TEMP_MARK in os.path.basename(tmp)
+    assert events[1] == ("replace", tmp, str(path))
+    assert events[2] == ("fsync", str(tmp_path))
+    out = stn.load_file(str(path))
+    assert sorted(out) == sorted(_new_tensors())
 
 
 def test_save_missing_directory(tmp_path):

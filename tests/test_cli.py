@@ -319,6 +319,7 @@ def test_reshard_keeps_sub_byte_dtypes(tmp_path):
 
 
 def test_reshard_with_checksums(ckpt, tmp_path, tensors):
+    pytest.importorskip("google_crc32c")   # the checksum extra (installed with .[test])
     out = tmp_path / "summed"
     r = run("reshard", str(ckpt), str(out), "--max-shard-size", "10kB", "--checksum", "crc32c", "--no-fsync")
     assert r.returncode == 0, r.stderr
@@ -339,8 +340,8 @@ def test_reshard_refuses_to_overwrite(sharded, ckpt, tmp_path):
 
 def test_bench_runs_and_prints_the_table(tmp_path):
     out = tmp_path / "bench.json"
-    args = ["bench", "--size", "16MiB", "--reps", "1", "--shards", "2", "--workdir", str(tmp_path),
-            "--json", str(out)]
+    args = ["bench", "--device", "cpu", "--size", "16MiB", "--reps", "1", "--shards", "2", "--workdir",
+            str(tmp_path), "--json", str(out)]
     try:
         import matplotlib  # noqa: F401
         args += ["--plot", str(tmp_path / "bench.png")]

@@ -156,7 +156,7 @@ def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None,
     for src in ordered:
         if src.device.is_cuda and src.device.index not in targets:
             targets[src.device.index] = CudaTarget(src.device.index, s.chunk_bytes, s.n_slots)
-    sink = AtomicFile(path, total, fsync=fsync, backend=s.write_backend)
+    sink = AtomicFile(path, total, fsync=fsync, backend=s.write_backend, writers=s.threads)
     try:
         sink.write_at(header, 0)
 

@@ -39,7 +39,7 @@ class Settings:
     staging_bytes: int = 512 << 20   # pinned staging per device (slots = staging / chunk)
     backend: str = "pread"           # pread | mmap | direct
     direct_io: str = "auto"          # auto | on | off (auto: O_DIRECT when the file is mostly not cached)
-    write_backend: str = "auto"      # auto | mmap | pwrite (auto: mmap for big files on tmpfs, else pwrite)
+    write_backend: str = "auto"      # auto | mmap | pwrite (auto: mmap for big files on tmpfs, >= 8 threads)
 
     def resolved(self) -> "Settings":
         return replace(self, threads=self.threads or _default_threads())

@@ -18,7 +18,8 @@ import numpy as np
 
 TEMP_MARK = ".foxhunt-tmp."
 WRITE_BACKENDS = ("auto", "mmap", "pwrite")
-MAP_MIN_BYTES = 64 << 20   # "auto" maps files at least this large
+MAP_MIN_BYTES = 64 << 20   # "auto" maps files at least this large...
+MAP_MIN_WRITERS = 8        # ...written by at least this many threads (parallel copies must beat one pwrite)
 
 # Test-only fault injection: called as hook(sink, offset, length) before each write; may raise.
 fault_hook: Callable[["AtomicFile", int, int], None] | None = None
@@ -73,13 +74,16 @@ class AtomicFile:
     threads copy into a shared mapping in parallel; measured on the H200 machine, a fresh
     /dev/shm file took 2.5-3.0 GB/s by pwrite and 5.3-6.0 GB/s by mmap (benchmarks/RESULTS.md).
     Each write maps only its own window and unmaps it at once, so the process's RSS stays flat.
-    ``auto`` maps files of at least 64 MiB on tmpfs/ramfs where fallocate works; files on a disk
-    filesystem use pwrite (with fsync the disk is the wall, 1.51 vs 1.14 GB/s for pwrite on the
-    H200 machine; without fsync, mapped writes into ext4's page cache measured 4x slower than
-    pwrite on the 2-core dev VM).
+    ``auto`` maps files of at least 64 MiB on tmpfs/ramfs written by at least 8 threads
+    (``writers``), where fallocate works; everything else uses pwrite. Measured on the 2-core dev
+    box (2 writers, 512 MiB, benchmarks/RESULTS.md): mmap was 2x slower than pwrite into
+    /dev/shm and 9x slower into a new file on ext4 with fsync=False (each first touch of a page of
+    a fallocated file goes through the filesystem's page_mkwrite); the mapping only pays off when
+    many threads copy at once, and a disk filesystem was never measured faster by mmap.
     """
 
-    def __init__(self, path: str | os.PathLike, size: int, fsync: bool = True, backend: str = "auto") -> None:
+    def __init__(self, path: str | os.PathLike, size: int, fsync: bool = True, backend: str = "auto",
+                 writers: int = 1) -> None:
         if backend not in WRITE_BACKENDS:
             raise ValueError(f"write backend must be one of {', '.join(WRITE_BACKENDS)}, got {backend!r}")
         self.path = os.path.abspath(os.fspath(path))
@@ -95,7 +99,7 @@ class AtomicFile:
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
         try:
             want_map = backend == "mmap" or (backend == "auto" and size >= MAP_MIN_BYTES
-                                             and _in_memory_fs(directory))
+                                             and writers >= MAP_MIN_WRITERS and _in_memory_fs(directory))
             self._mapped = bool(want_map and size and _fallocate(self.fd, size))
             if not self._mapped:
                 os.ftruncate(self.fd, size)

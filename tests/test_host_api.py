@@ -541,3 +541,27 @@ def test_truncated_under_open_handle_is_format_error_not_sigbus(tmp_path, backen
     assert lines["first-rows"] == "FormatError file-changed True"
     for label in ("cut", "slice-past-cut", "after-cut", "iterate", "emptied"):
         assert lines[label] == "FormatError file-truncated True", (label, r.stdout)
+
+
+def test_auto_write_backend_maps_only_tmpfs_with_many_writers(tmp_path):
+    """``write_backend="auto"`` maps only where mapping was measured faster: big files on tmpfs
+    written by many threads. On a disk filesystem, or with few writers, it is pwrite."""
+    size = sink.MAP_MIN_BYTES
+    for writers, fsync in ((1, False), (sink.MAP_MIN_WRITERS, False), (sink.MAP_MIN_WRITERS, True)):
+        f = sink.AtomicFile(tmp_path / "x.bin", size, fsync=fsync, writers=writers)
+        f.abort()
+        if not sink._in_memory_fs(str(tmp_path)):
+            assert f.backend == "pwrite", (writers, fsync)
+    shm = "/dev/shm"
+    if not (os.path.isdir(shm) and sink._in_memory_fs(shm) and os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize
+            > 4 * size):
+        pytest.skip("no tmpfs at /dev/shm with room for the mapped case")
+    few = sink.AtomicFile(os.path.join(shm, "foxhunt-auto-few.bin"), size, fsync=False, writers=2)
+    few.abort()
+    many = sink.AtomicFile(os.path.join(shm, "foxhunt-auto-many.bin"), size, fsync=False,
+                           writers=sink.MAP_MIN_WRITERS)
+    many.abort()
+    small = sink.AtomicFile(os.path.join(shm, "foxhunt-auto-small.bin"), size - 1, fsync=False,
+                            writers=sink.MAP_MIN_WRITERS)
+    small.abort()
+    assert (few.backend, many.backend, small.backend) == ("pwrite", "mmap", "pwrite")

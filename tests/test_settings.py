@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import safetensors.numpy as stn
 import foxhunt_stream as fs
 from foxhunt_stream import settings
 
-VALID = "backend, chunk_bytes, direct_io, staging_bytes, threads"
+VALID = ", ".join(sorted(f.name for f in fields(settings.Settings)))   # every option, as the message lists them
 
 
 @pytest.fixture
@@ -57,6 +58,7 @@ def test_unknown_option_is_type_error_listing_valid_ones_everywhere(ckpt, tmp_pa
     (dict(chunk_bytes="1MiB", staging_bytes="512KiB"), "staging_bytes"),
     (dict(backend="aio"), "pread, mmap, direct"),
     (dict(direct_io="maybe"), "direct_io"),
+    (dict(write_backend="aio"), "write_backend"),
 ])
 def test_bad_option_values_are_value_errors(ckpt, options, match):
     with pytest.raises(ValueError, match=match):
@@ -101,6 +103,7 @@ def test_env_overrides_defaults(monkeypatch):
     ("FOXHUNT_CHUNK_BYTES", "12"),
     ("FOXHUNT_BACKEND", "io_uring"),
     ("FOXHUNT_DIRECT_IO", "yes"),
+    ("FOXHUNT_WRITE_BACKEND", "splice"),
 ])
 def test_bad_env_is_loud(ckpt, monkeypatch, var, value):
     """A bad FOXHUNT_* value fails the first call that reads settings, naming the variable or the

@@ -377,6 +377,33 @@ def bench_cold_loads(paths, total, directory):
                                        note=f"{total / dt / GB / RESULTS.get('cold_read', float('nan')):.2f}x cold read")
 
 
+@guarded
+def bench_verify(paths, total, directory):
+    """Cost of verify=True (checksums hashed on the worker threads) on the hot GPU load."""
+    import torch
+    src = os.path.join(directory, "model.safetensors.index.json")
+    out = fs.load_file(src, device="cuda:0", framework="pt")
+    dst = "/dev/shm/fh_verify.safetensors"
+    t0 = time.perf_counter()
+    fs.save_file(out, dst, checksum="xxh3-64", fsync=False)
+    row("save", "foxhunt save_file -> /dev/shm with checksum=xxh3-64", total, time.perf_counter() - t0)
+    del out
+    warm([dst])
+    res = {}
+    for verify in (False, True, False, True):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fs.load_file(dst, device="cuda:0", framework="pt", verify=verify)
+        torch.cuda.synchronize()
+        res.setdefault(verify, []).append(time.perf_counter() - t0)
+        del out
+    for verify, ts in res.items():
+        row("verify", f"foxhunt hot load, one file in /dev/shm, verify={verify} (best of 2)", total, min(ts))
+    RESULTS["verify_cost"] = min(res[True]) / min(res[False]) - 1
+    log(f"  verify   cost of verify=True: {RESULTS['verify_cost'] * 100:+.1f}%")
+    os.unlink(dst)
+
+
 # ------------------------------------------------------------------ saves
 
 SAVE_CHILD = r"""
@@ -522,6 +549,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--no-disk-save", action="store_true")
     ap.add_argument("--st-save", default="shm,disk")
     args = ap.parse_args()
@@ -535,6 +563,8 @@ def main():
     bench_hot_loads(paths, total, args.dir, args.sweep)
     bench_ttft(paths, args.dir)
     bench_safetensors_hot(paths, total)
+    if not args.no_verify:
+        bench_verify(paths, total, args.dir)
     if not args.no_cold:
         ceiling_cold_read(paths, total)
         bench_cold_loads(paths, total, args.dir)
@@ -545,7 +575,7 @@ def main():
     log("\n== summary ==")
     h2d = RESULTS.get("h2d")
     for k in ("h2d", "d2h", "pagecache", "cold_read", "fs_first", "fs_hot", "st_hot", "ttft_ms", "ttft_open_handle_ms",
-              "fs_cold", "pwrite_shm",
+              "verify_cost", "fs_cold", "pwrite_shm",
               "pwrite_disk", "save", "sweep_best"):
         if k in RESULTS:
             log(f"{k:12s} {RESULTS[k]}")

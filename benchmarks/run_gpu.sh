@@ -12,5 +12,5 @@ fi
   nproc; free -g; df -h . /dev/shm /tmp; git log -1 --format='commit %H %s' 2>/dev/null
   python3 -c "import torch, cupy, safetensors, numpy; print('torch', torch.__version__, 'cupy', cupy.__version__, 'safetensors', safetensors.__version__, 'numpy', numpy.__version__)"
 } 2>&1 | tee "$OUT/env.log"
-timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout=120 ${GPU_TESTS:-tests/test_gpu.py tests/test_smoke.py} 2>&1 | tee "$OUT/pytest.log" | tail -40
+timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout=120 ${GPU_TESTS:-tests/test_gpu.py tests/test_smoke.py} 2>&1 | tee "$OUT/pytest.log" | tail -40
 timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/gpu_bench.py --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"

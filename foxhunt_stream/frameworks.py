@@ -42,6 +42,9 @@ class NumpyFramework:
             raise ValueError("framework 'numpy' holds host arrays only; use device='cpu' or framework='cupy'/'pt'")
         return np.empty(host_shape(dtype, tuple(shape)), dtype.numpy)
 
+    def settle(self, device: Device) -> None:
+        """Host arrays: nothing is queued."""
+
     def owns(self, x) -> bool:
         return isinstance(x, np.ndarray)
 
@@ -88,6 +91,12 @@ class CupyFramework:
             except cp.cuda.memory.OutOfMemoryError:
                 raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shp)) * max(1, dtype.itemsize)) from None
 
+    def settle(self, device: Device) -> None:
+        """Wait for work queued on cupy's current stream of ``device`` (its freed blocks get reused)."""
+        cp = cupy()
+        with cp.cuda.Device(device.index):
+            cp.cuda.get_current_stream().synchronize()
+
     def owns(self, x) -> bool:
         return type(x).__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "device")
 
@@ -125,6 +134,10 @@ class TorchFramework:
             return torch.empty(shp, dtype=self.torch_dtype(dtype), device=str(device))
         except getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError):
             raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shp)) * max(1, dtype.itemsize)) from None
+
+    def settle(self, device: Device) -> None:
+        """Wait for work queued on torch's current stream of ``device`` (its freed blocks get reused)."""
+        self._torch().cuda.current_stream(device.index).synchronize()
 
     def owns(self, x) -> bool:
         return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")

@@ -83,6 +83,11 @@ class Destinations:
 
     @classmethod
     def allocate(cls, framework, plan: LoadPlan, device: Device) -> "Destinations":
+        if device.is_cuda:
+            # the framework's allocator may hand back blocks that work already queued on its
+            # stream still reads; our copies run on other streams, so let that work finish first
+            framework.settle(device)
+
         def make(d: int):
             dest = plan.destinations[d]
             arr = framework.empty(dest.dtype, dest.shape, device, dest.name)
@@ -382,6 +387,12 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
         raise StoreMismatchError(problems, missing=missing, unexpected=unexpected)
     if missing or unexpected:
         warnings.warn(LoadIntoWarning(missing, unexpected), stacklevel=2)
+    settled = set()
+    for n, b in zip(chosen, buffers):   # work queued on the store's arrays finishes before we overwrite them
+        fw = framework_of(store[n])
+        if b.device.is_cuda and (type(fw), b.device) not in settled:
+            fw.settle(b.device)
+            settled.add((type(fw), b.device))
     plan, s, verifier = _plan(ck, _selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify)
     sources = open_sources(ck, s)
     try:

@@ -281,7 +281,7 @@ _libc = None
 def resident_fraction(path: str | os.PathLike, samples: int = 256) -> float:
     """Fraction of the file's pages in the page cache, from ``samples`` pages spread evenly
     over it (one mincore call each: O(samples), not O(file size), so it costs well under a
-    millisecond even for a multi-GB shard)."""
+    millisecond even for a multi-GB shard). ``samples`` >= the page count checks every page."""
     global _libc
     size = os.path.getsize(path)
     if size == 0:
@@ -302,8 +302,12 @@ def resident_fraction(path: str | os.PathLike, samples: int = 256) -> float:
             try:
                 page = mmap.PAGESIZE
                 pages = -(-size // page)
-                n = min(samples, pages)   # more samples than pages = every page (and no 2**62 loop)
-                picks = sorted({min(pages - 1, (i * pages) // n) for i in range(n)})
+                if samples >= pages:   # every page: one call over the whole mapping
+                    vec = (ctypes.c_ubyte * pages)()
+                    if _libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                        return 1.0
+                    return float((np.frombuffer(vec, np.uint8) & 1).mean())
+                picks = sorted({(i * pages) // samples for i in range(samples)})
                 vec = ctypes.c_ubyte()
                 hits = 0
                 for p in picks:

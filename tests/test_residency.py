@@ -1,0 +1,23 @@
+"""Page-cache residency (direct_io="auto" and prefetch decide with it)."""
+
+import os
+
+import numpy as np
+
+from foxhunt_stream import source
+
+
+def test_resident_fraction_sampled_and_exhaustive(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(np.random.default_rng(0).integers(0, 255, 8 << 20, dtype=np.uint8).tobytes())
+    p.read_bytes()
+    assert source.resident_fraction(p) == 1.0
+    assert source.resident_fraction(p, samples=1 << 62) == 1.0     # "every page": one call, not 2**62
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert source.resident_fraction(p) < 0.5
+    assert source.resident_fraction(p, samples=1 << 62) < 0.5

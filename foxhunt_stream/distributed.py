@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
-from .device import parse_device
+from .device import check_device, parse_device
 from .dtypes import DTYPES
 from .frameworks import get_framework
 from .shard import Shard, shard_index
@@ -203,10 +203,6 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
     import torch
     from . import loader
     group = _Group(process_group)
-    dev = parse_device(device)
-    fw = get_framework("pt", dev)
-    if dev.is_cuda:
-        torch.cuda.set_device(dev.index)   # NCCL's object collectives use the current device
 
     # 1. what each rank wants, agreed by all
     chosen: list[str] = []
@@ -214,6 +210,11 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
     indices: dict[str, Any] = {}
     error: BaseException | None = None
     try:
+        dev = parse_device(device)
+        check_device(dev)
+        fw = get_framework("pt", dev)
+        if dev.is_cuda:
+            torch.cuda.set_device(dev.index)   # NCCL's object collectives use the current device
         ck = open_checkpoint(source)
         chosen = select(ck, names)
         descs = {n: _describe(ck, n) for n in chosen}

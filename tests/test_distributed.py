@@ -1,6 +1,6 @@
 """Distributed loads (load_file(process_group=...)) on CPU over gloo, and the pure planning.
 
-The collective tests start WORLD processes running tests/dist_worker.py (a file:// rendezvous, a
+The collective tests start WORLD processes running tests/dist_harness.py (a file:// rendezvous, a
 30 s collective timeout, a hard join timeout: a deadlock fails the test, never hangs it)
 and check their reports together: every rank got exactly what a single-process load gives, and
 the bytes read from disk across the group add up to the selection read exactly once.
@@ -8,19 +8,14 @@ the bytes read from disk across the group add up to the selection read exactly o
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 import sys
-import time
 
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from foxhunt_stream.distributed import assign_owners, exchange_windows
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import dist_worker  # noqa: E402
 
 
 # -- pure planning -------------------------------------------------------------------------------
@@ -90,99 +85,11 @@ import torch.distributed as dist  # noqa: E402
 
 import foxhunt_stream as fs  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_harness import check_reports, collect, make_checkpoint, start_world  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-
-
-def make_checkpoint(d) -> int:
-    """Three files of mixed dtypes (a scalar, an empty tensor, odd sizes); returns total bytes."""
-    g = torch.Generator().manual_seed(0)
-    files = {
-        "a.safetensors": {"w.big": torch.randn(96, 70, generator=g),
-                          "w.ints": torch.randint(-9, 9, (33, 5), generator=g, dtype=torch.int64),
-                          "s.scalar": torch.tensor(3.5, dtype=torch.float64)},
-        "b.safetensors": {"b.half": torch.randn(10, 24, generator=g).to(torch.bfloat16),
-                          "w.bool": torch.rand(17, 3, generator=g) > 0.5,
-                          "w.empty": torch.empty(0, 4, dtype=torch.float16)},
-        "c.safetensors": {"w.u8": torch.randint(0, 255, (300,), generator=g, dtype=torch.uint8),
-                          "b.f16": torch.randn(4, 1000, generator=g).to(torch.float16),
-                          "w.small": torch.arange(7, dtype=torch.int32)},
-    }
-    total = 0
-    for f, ts in files.items():
-        fs.save_file(ts, os.path.join(d, f))
-        total += sum(t.numel() * t.element_size() for t in ts.values())
-    return total
-
-
-def _context():
-    """Workers fork from a forkserver that imported torch once: importing torch is most of the cost
-    of a rank here (seconds each on this box), and a fork of the test process itself is unsafe."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "foxhunt_stream", "dist_worker"])
-    return ctx
-
-
-def start_world(tmp_path, world: int, backend: str = "gloo", device: str = "cpu"):
-    """Start the WORLD ranks of one group (its own checkpoint and rendezvous file under tmp_path)."""
-    base = tmp_path / f"world{world}"
-    ckpt = base / "ckpt"
-    ckpt.mkdir(parents=True)
-    total = make_checkpoint(str(ckpt))
-    ctx = _context()
-    procs = [ctx.Process(target=dist_worker.run, args=(r, world, str(base / "init"), str(ckpt),
-                                                         str(base / f"r{r}.json"), backend, device))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    return world, base, procs, total
-
-
-def collect(started, timeout: float = 120):
-    """Wait for every rank of every started group; kill them all on a hang. -> [(world, reports, total)]"""
-    out = []
-    deadline = time.monotonic() + timeout
-    try:
-        for world, base, procs, total in started:
-            for r, p in enumerate(procs):
-                p.join(max(0.0, deadline - time.monotonic()))
-                if p.is_alive():
-                    pytest.fail(f"world {world} rank {r} still running after {timeout} s (deadlock)")
-                err = base / f"r{r}.json.err"
-                assert p.exitcode == 0, f"world {world} rank {r} exited {p.exitcode}:\n" + (
-                    err.read_text() if err.exists() else "")
-            out.append((world, [json.loads((base / f"r{r}.json").read_text()) for r in range(world)], total))
-    finally:
-        for _, _, procs, _ in started:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-    return out
-
-
-def check_reports(reports, world: int, total: int) -> None:
-    for r, rep in enumerate(reports):
-        for key, e in rep.items():
-            assert "unexpected" not in e, f"rank {r} {key}: {e['unexpected']}"
-    for key in ("full", "default_window", "subset", "shard", "after"):
-        for r, rep in enumerate(reports):
-            assert "error" not in rep[key], f"rank {r} {key}: {rep[key]['error']}"
-            assert rep[key]["mismatch"] is None, f"rank {r} {key}: {rep[key]['mismatch']}"
-    # loaded once: the group read every selected byte exactly once, not once per rank
-    for key in ("full", "default_window", "shard", "after"):
-        assert sum(rep[key]["read"] for rep in reports) == total, key
-    assert reports[0]["full"]["n"] == 9
-    # ranks asked for different names (some names by nobody): each got exactly its own
-    assert sum(rep["subset"]["n"] for rep in reports) == sum(1 for i in range(9) if i % (world + 1) < world)
-    assert sum(rep["subset"]["read"] for rep in reports) < total
-    # an error seen by one rank is raised on every rank, naming that rank
-    for key, culprit in (("missing", world - 1), ("fault", 0)):
-        for r, rep in enumerate(reports):
-            assert "error" in rep[key], f"rank {r} did not raise in {key}"
-            assert rep[key]["failures"] == [culprit], (key, rep[key])
-    assert "missing.safetensors" in reports[0]["missing"]["error"]
-    assert "injected read error" in reports[0]["fault"]["error"]
 
 
 def test_distributed_load_matches_single_process(tmp_path):

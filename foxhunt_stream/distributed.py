@@ -28,17 +28,21 @@ own timeout (``init_process_group(timeout=...)``), the only clock the collective
 from __future__ import annotations
 
 import heapq
+import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
 from .device import check_device, parse_device
-from .dtypes import DTYPES
+from .dtypes import DTYPES, host_shape
 from .frameworks import get_framework
 from .shard import Shard, shard_index
 
 DEFAULT_EXCHANGE_BYTES = 64 << 20
+
+log = logging.getLogger("foxhunt_stream")
 
 
 class DistributedLoadError(RuntimeError):
@@ -203,6 +207,7 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
     import torch
     from . import loader
     group = _Group(process_group)
+    t0 = time.perf_counter()
 
     # 1. what each rank wants, agreed by all
     chosen: list[str] = []
@@ -251,8 +256,8 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
             full = loader.load_file(source, device=dev, framework="pt", names=owned, verify=verify,
                                     progress=progress, **options)
             for n in owned:
-                want = fw.empty(DTYPES[union[n].dtype], union[n].shape, dev, n)
-                if full[n].dtype != want.dtype or tuple(full[n].shape) != tuple(want.shape):
+                dt = DTYPES[union[n].dtype]
+                if full[n].dtype != fw.torch_dtype(dt) or tuple(full[n].shape) != host_shape(dt, union[n].shape):
                     raise ValueError(f"tensor {n!r}: this rank read {full[n].dtype} {list(full[n].shape)}, "
                                      f"the group agreed on {union[n].dtype} {list(union[n].shape)}")
         for n in chosen:
@@ -265,6 +270,8 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
     except BaseException:
         full.clear()
         raise
+
+    t_load = time.perf_counter()
 
     # 3. the exchange, window by window
     result: dict[str, Any] = {}
@@ -317,4 +324,8 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
     full.clear()
     if dev.is_cuda:
         torch.cuda.current_stream(dev.index).synchronize()
+    t_end = time.perf_counter()
+    log.debug("distributed load, rank %d of %d: owns %d of %d tensors (%d bytes); plan+load %.3f s, "
+              "exchange %.3f s in %d broadcasts (window %d)", group.rank, group.world, len(owned), len(order),
+              sum(union[n].nbytes for n in owned), t_load - t0, t_end - t_load, len(windows), window)
     return {n: result[n] for n in chosen}

@@ -31,7 +31,7 @@ import heapq
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
@@ -105,17 +105,20 @@ class Window:
 def exchange_windows(tensors: Sequence[tuple[str, int, int]], window_bytes: int) -> list[Window]:
     """The broadcasts that share ``(name, nbytes, owner)`` tensors (in the agreed order given).
 
-    Grouped by owner (rank order, the given order within a rank); consecutive tensors of one owner
-    are packed into windows of at most ``window_bytes``; a tensor larger than that is cut into
-    pieces. Every byte of every tensor is in exactly one window; zero-byte tensors in none.
+    Consecutive tensors of one owner (in the given order) are packed into windows of at most
+    ``window_bytes``; a tensor larger than that is cut into pieces. The owners take turns, one
+    window each in rank order, so every owner's reads are consumed while they go on rather than
+    rank 0's first and the last rank's when it has long finished. Every byte of every tensor is
+    in exactly one window; zero-byte tensors in none.
     """
     if window_bytes < 1:
         raise ValueError(f"exchange window must be at least 1 byte, got {window_bytes}")
-    out: list[Window] = []
+    per_owner: dict[int, list[Window]] = {}
     by_owner: dict[int, list[tuple[str, int]]] = {}
     for name, nbytes, owner in tensors:
         by_owner.setdefault(owner, []).append((name, nbytes))
     for owner in sorted(by_owner):
+        out = per_owner.setdefault(owner, [])
         segs: list[tuple[str, int, int]] = []
         room = window_bytes
         for name, nbytes in by_owner[owner]:
@@ -130,7 +133,8 @@ def exchange_windows(tensors: Sequence[tuple[str, int, int]], window_bytes: int)
                     segs, room = [], window_bytes
         if segs:
             out.append(Window(owner, tuple(segs)))
-    return out
+    turns = max((len(ws) for ws in per_owner.values()), default=0)
+    return [ws[i] for i in range(turns) for _, ws in sorted(per_owner.items()) if i < len(ws)]
 
 
 # -- the collective part -------------------------------------------------------------------------
@@ -141,11 +145,13 @@ class _Desc:
     file: str      # basename of the file holding it
     dtype: str
     shape: tuple[int, ...]
+    offset: int = field(default=0, compare=False)   # in its file: orders the exchange, need not agree
 
 
 def _describe(ck: Checkpoint, name: str) -> _Desc:
     f, info = ck.names[name]
-    return _Desc(info.nbytes, os.path.basename(ck.paths[f]), info.dtype.name, tuple(info.shape))
+    return _Desc(info.nbytes, os.path.basename(ck.paths[f]), info.dtype.name, tuple(info.shape),
+                 ck.headers[f].data_start + info.start)
 
 
 def _failure(e: BaseException) -> str:
@@ -230,14 +236,15 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
                                           "over process_group is not supported")
     except Exception as e:
         error = e
-    gathered = group.gather(_failure(error) if error is not None else descs)
+    gathered = group.gather(_failure(error) if error is not None else (descs, window))
     failures = {r: g for r, g in enumerate(gathered) if isinstance(g, str)}
     if failures:
         raise DistributedLoadError(failures, group.rank) from error
+    window = min(g[1] for g in gathered)   # every rank must cut the same windows: the smallest bound
     union: dict[str, _Desc] = {}
     wanted_by: dict[str, set[int]] = {}
     conflicts = {}
-    for r, d in enumerate(gathered):
+    for r, (d, _) in enumerate(gathered):
         for n, desc in d.items():
             if union.setdefault(n, desc) != desc:
                 conflicts[r] = f"tensor {n!r} is {desc} here but {union[n]} on another rank: not the same checkpoint"
@@ -245,85 +252,126 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
     if conflicts:
         raise DistributedLoadError(conflicts, group.rank)
     owners = assign_owners([(n, d.nbytes, d.file) for n, d in union.items()], group.world)
-    order = sorted(union, key=lambda n: _order_key(n, union[n].file))
+    order = sorted(union, key=lambda n: (union[n].file, union[n].offset, n))   # file order: sequential reads
     owned = [n for n in order if owners[n] == group.rank]
+    shared = [(n, union[n].nbytes, owners[n]) for n in order if wanted_by[n] - {owners[n]}]
+    windows = exchange_windows(shared, window)
 
-    # 2. each rank loads what it owns; receivers allocate what they want whole
-    full: dict[str, Any] = {}    # name -> whole tensor on this rank (owned, or received in place)
+    # 2. start reading what this rank owns (in the background); allocate what it receives
+    full: dict[str, Any] = {}    # name -> whole tensor on this rank (owned and landed, or being received)
+    result: dict[str, Any] = {}
     mine = set(chosen)
+    handle = None
+    scratch = None
     try:
         if owned:
-            full = loader.load_file(source, device=dev, framework="pt", names=owned, verify=verify,
-                                    progress=progress, **options)
-            for n in owned:
-                dt = DTYPES[union[n].dtype]
-                if full[n].dtype != fw.torch_dtype(dt) or tuple(full[n].shape) != host_shape(dt, union[n].shape):
-                    raise ValueError(f"tensor {n!r}: this rank read {full[n].dtype} {list(full[n].shape)}, "
-                                     f"the group agreed on {union[n].dtype} {list(union[n].shape)}")
+            handle = loader.load_file(source, device=dev, framework="pt", names=owned, verify=verify,
+                                      progress=progress, background=True, **options)
         for n in chosen:
-            if n not in full and (shard is None or indices[n] is None):
+            if owners[n] != group.rank and (shard is None or indices[n] is None):
                 full[n] = fw.empty(DTYPES[union[n].dtype], union[n].shape, dev, n)
+        if windows:
+            scratch = torch.empty(max(w.nbytes for w in windows), dtype=torch.uint8, device=str(dev))
     except Exception as e:
         error = e
     try:
-        group.agree(error)
+        group.agree(error)   # allocation failures (the likely ones) before any broadcast
     except BaseException:
+        if handle is not None:
+            handle.cancel()
         full.clear()
         raise
-
     t_load = time.perf_counter()
 
-    # 3. the exchange, window by window
-    result: dict[str, Any] = {}
-    remaining = {n: union[n].nbytes for n in order}
-    scratch = None
+    # 3. the exchange, window by window, while the owners' reads go on. From here on every rank
+    # takes part in every broadcast whatever happens: a rank that failed sends or drops junk and
+    # says so at the end, so no rank is left waiting in a collective.
+    failed: BaseException | None = None
+
+    def fail(e: BaseException) -> None:
+        nonlocal failed
+        if failed is None:
+            failed = e
+            if handle is not None:
+                handle.cancel()
+        full.clear()
+        result.clear()
+
+    def source_of(n: str):
+        """Owner side: the landed tensor (waiting for its reads), or None after a failure."""
+        if failed is None and n not in full:
+            try:
+                t = handle.wait(n)
+                dt = DTYPES[union[n].dtype]
+                if t.dtype != fw.torch_dtype(dt) or tuple(t.shape) != host_shape(dt, union[n].shape):
+                    raise ValueError(f"tensor {n!r}: this rank read {t.dtype} {list(t.shape)}, "
+                                     f"the group agreed on {union[n].dtype} {list(union[n].shape)}")
+                full[n] = t
+            except Exception as e:
+                fail(e)
+        return full.get(n)
+
+    def dest_of(n: str):
+        """Receiver side: where a wanted tensor lands whole (a sharded one: a temporary), or None."""
+        if failed is None and n in mine and n not in full:
+            try:
+                full[n] = fw.empty(DTYPES[union[n].dtype], union[n].shape, dev, n)
+            except Exception as e:
+                fail(e)
+        return full.get(n)
 
     def finish(n: str) -> None:
-        if n in mine:
+        if failed is None and n in mine:
             t = full[n]
             idx = indices.get(n)
             result[n] = t if idx is None else t[idx].clone(memory_format=torch.contiguous_format)
         full.pop(n, None)   # sliced, or not wanted here: the whole one goes as soon as it is sent
 
-    shared = [(n, union[n].nbytes, owners[n]) for n in order if wanted_by[n] - {owners[n]}]
-    windows = exchange_windows(shared, window)
+    remaining = {n: union[n].nbytes for n in order}
     for w in windows:
         sender = w.owner == group.rank
-        for n, _, _ in w.segments:   # a sharded tensor this rank wants lands whole first
-            if not sender and n in mine and n not in full:
-                full[n] = fw.empty(DTYPES[union[n].dtype], union[n].shape, dev, n)
-        if len(w.segments) == 1 and w.segments[0][0] in full:
+        if len(w.segments) == 1:
             n, start, length = w.segments[0]
-            group.broadcast(_bytes(full[n])[start:start + length], w.owner)
+            t = source_of(n) if sender else dest_of(n)
+            group.broadcast(scratch[:length] if t is None else _bytes(t)[start:start + length], w.owner)
         else:
-            if scratch is None:
-                scratch = torch.empty(max(x.nbytes for x in windows),
-                                      dtype=torch.uint8, device=str(dev))
             buf = scratch[:w.nbytes]
             pos = 0
-            if sender:
-                for n, start, length in w.segments:
-                    buf[pos:pos + length].copy_(_bytes(full[n])[start:start + length])
-                    pos += length
+            for n, start, length in w.segments:
+                t = source_of(n) if sender else None
+                if t is not None:
+                    buf[pos:pos + length].copy_(_bytes(t)[start:start + length])
+                pos += length
             group.broadcast(buf, w.owner)
             pos = 0
-            if not sender:
-                for n, start, length in w.segments:
-                    if n in full:
-                        _bytes(full[n])[start:start + length].copy_(buf[pos:pos + length])
-                    pos += length
+            for n, start, length in w.segments:
+                t = None if sender else dest_of(n)
+                if t is not None:
+                    _bytes(t)[start:start + length].copy_(buf[pos:pos + length])
+                pos += length
         for n, _, length in w.segments:
             remaining[n] -= length
             if remaining[n] == 0:
                 finish(n)
-    for n in order:   # the ones nobody else wanted, and zero-byte ones
-        if n in mine and n not in result:
-            if n not in full:   # a zero-byte tensor this rank wants sharded
-                full[n] = fw.empty(DTYPES[union[n].dtype], union[n].shape, dev, n)
+    for n in order:   # what only this rank wanted, and zero-byte tensors
+        if n in mine and n not in result and failed is None:
+            if owners[n] == group.rank:
+                source_of(n)
+            else:
+                dest_of(n)
             finish(n)
-    full.clear()
-    if dev.is_cuda:
-        torch.cuda.current_stream(dev.index).synchronize()
+    try:
+        if handle is not None and failed is None:
+            handle.result()   # closes the files; a file changed under the reads raises here
+        if dev.is_cuda:
+            torch.cuda.current_stream(dev.index).synchronize()
+    except Exception as e:
+        fail(e)
+    try:
+        group.agree(failed)
+    except BaseException:
+        fail(RuntimeError("failed elsewhere"))
+        raise
     t_end = time.perf_counter()
     log.debug("distributed load, rank %d of %d: owns %d of %d tensors (%d bytes); plan+load %.3f s, "
               "exchange %.3f s in %d broadcasts (window %d)", group.rank, group.world, len(owned), len(order),

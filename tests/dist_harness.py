@@ -80,6 +80,7 @@ def main(rank: int, world: int, init_file: str, ckpt: str, out: str, backend: st
 
     scenario("full", rotated, None, exchange_bytes=1000)
     scenario("default_window", files, None)
+    scenario("mixed_window", files, None, exchange_bytes=500 + 300 * rank)   # the group takes the smallest
     mine = [n for i, n in enumerate(names) if i % (world + 1) == rank]   # the last slice: nobody's
     scenario("subset", rotated, mine, exchange_bytes=777)
     scenario("shard", rotated, None, shard=fs.Shard(rank, world, {"b.*": 1, "s.*": None, "*": 0}),
@@ -189,12 +190,12 @@ def check_reports(reports, world: int, total: int) -> None:
     for r, rep in enumerate(reports):
         for key, e in rep.items():
             assert "unexpected" not in e, f"rank {r} {key}: {e['unexpected']}"
-    for key in ("full", "default_window", "subset", "shard", "after"):
+    for key in ("full", "default_window", "mixed_window", "subset", "shard", "after"):
         for r, rep in enumerate(reports):
             assert "error" not in rep[key], f"rank {r} {key}: {rep[key]['error']}"
             assert rep[key]["mismatch"] is None, f"rank {r} {key}: {rep[key]['mismatch']}"
     # loaded once: the group read every selected byte exactly once, not once per rank
-    for key in ("full", "default_window", "shard", "after"):
+    for key in ("full", "default_window", "mixed_window", "shard", "after"):
         assert sum(rep[key]["read"] for rep in reports) == total, key
     assert reports[0]["full"]["n"] == 9
     # ranks asked for different names (some names by nobody): each got exactly its own

@@ -6,16 +6,19 @@
    all-gathered, so ranks asking for different subsets agree on one plan and cannot deadlock;
 2. ``assign_owners`` splits the union of the wanted tensors across the ranks by size
    (deterministic: the same answer whatever order the files were listed in);
-3. each rank loads the tensors it owns through the ordinary pipeline (``loader.load_file``)
-   onto its own device; success or failure is all-gathered again, so an error on one rank
-   raises ``DistributedLoadError`` on every rank instead of leaving the others waiting;
-4. the owners broadcast their tensors in a globally agreed order (``exchange_windows``), in
-   windows of at most ``exchange_bytes``: small tensors of one owner are packed into one
-   window, big ones go in pieces straight into the receivers' tensors. A rank that does not
-   want a tensor still takes part in its broadcast and drops the bytes.
+3. each rank starts reading the tensors it owns through the ordinary pipeline
+   (``loader.load_file(background=True)``) onto its own device and allocates the ones it will
+   receive; allocation errors are all-gathered before any broadcast;
+4. the owners broadcast their tensors as they land, taking turns (``exchange_windows``), in
+   windows of at most ``exchange_bytes`` (the smallest any rank asked for): small tensors of one
+   owner are packed into one window, big ones go in pieces straight into the receivers'
+   tensors. A rank that does not want a tensor still takes part in its broadcast and drops the
+   bytes. From the first broadcast on, a rank that fails (a read error, a checksum) keeps taking
+   part, sending or dropping junk, and the outcome is all-gathered at the end: an error on one
+   rank raises ``DistributedLoadError`` on every rank instead of leaving the others waiting.
 
-Memory: an owner holds the whole tensors it owns (about 1/world_size of the selection) plus one
-exchange window; a receiver's wanted tensors land in place. With ``shard=`` the owner broadcasts
+Memory: an owner holds each tensor it owns from its landing until it is sent (at most about
+1/world_size of the selection) plus one exchange window; a receiver's wanted tensors land in place. With ``shard=`` the owner broadcasts
 the *whole* tensor and each rank slices its part out (one whole tensor at a time held as a
 temporary): correct and simple, not bytes-optimal (every rank receives every byte of a sharded
 tensor it wants). Ownership is per tensor, so one tensor larger than total/world_size leaves

@@ -9,6 +9,7 @@ and write them back just as fast.
 from . import settings
 from .checkpoint import read_header
 from .device import DeviceError
+from .distributed import DistributedLoadError
 from .errors import ChecksumError, DeviceOutOfMemoryError, FormatError, StoreMismatchError
 from .integrity import VerifyReport, verify
 from .loader import LoadHandle, LoadIntoWarning, load_file, load_into, safe_open
@@ -23,6 +24,7 @@ __all__ = [
     "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
     "safe_open", "load_file", "load_into", "save_file", "Shard", "LoadHandle", "read_header", "clean_stale_temps",
     "settings", "__version__", "prefetch", "PrefetchHandle", "warmup", "ChecksumError", "verify", "VerifyReport",
+    "DistributedLoadError",
 ]
 
 

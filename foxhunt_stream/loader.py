@@ -301,7 +301,7 @@ class LoadHandle:
 @_reopen_if_replaced
 def load_file(source, device="cpu", framework: str | None = None, names: Names = None, *,
               background: bool = False, shard: Shard | None = None, verify: bool = False,
-              progress: bool | None = None, **options) -> dict[str, Any] | LoadHandle:
+              progress: bool | None = None, process_group=None, **options) -> dict[str, Any] | LoadHandle:
     """Load the selected tensors of a checkpoint; returns ``{name: array}``.
 
     ``source`` is a file, a list of files, an index.json or a directory. Unselected bytes are
@@ -310,8 +310,15 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     ``verify=True`` every tensor is checked against the digests saved with it
     (``save_file(checksum=...)``) as its chunks land; a mismatch raises ChecksumError and nothing
     is returned. ``progress``: a bar on stderr (None: only on a terminal and past about a second;
-    True: always; False: never).
+    True: always; False: never). With ``process_group`` (a torch.distributed group; every rank
+    calls this) the checkpoint is read once across the group and shared by broadcasts
+    (``foxhunt_stream.distributed``; framework "pt" only, ``exchange_bytes=`` bounds its memory).
     """
+    if process_group is not None:
+        from .distributed import load_file_distributed
+        return load_file_distributed(source, device, framework, names, process_group=process_group,
+                                     background=background, shard=shard, verify=verify, progress=progress,
+                                     **options)
     s = _settings.merge(**options)
     dev = parse_device(device)
     check_device(dev)

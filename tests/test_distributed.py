@@ -1,0 +1,115 @@
+"""Distributed loads (load_file(process_group=...)) on CPU over gloo, and the pure planning.
+
+The collective tests start WORLD processes running tests/dist_harness.py (a file:// rendezvous, a
+30 s collective timeout, a hard join timeout: a deadlock fails the test, never hangs it)
+and check their reports together: every rank got exactly what a single-process load gives, and
+the bytes read from disk across the group add up to the selection read exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+
+from foxhunt_stream.distributed import assign_owners, exchange_windows
+
+
+
+# -- pure planning -------------------------------------------------------------------------------
+
+tensor_lists = st.lists(st.tuples(st.integers(0, 1 << 20), st.sampled_from(["a", "b", "c"])),
+                        min_size=0, max_size=30).map(
+    lambda xs: [(f"t{i}", n, f"/some/dir/{f}.safetensors") for i, (n, f) in enumerate(xs)])
+
+
+@hsettings(max_examples=60, deadline=None)
+@given(tensor_lists, st.integers(1, 5), st.randoms(use_true_random=False))
+def test_assign_owners_ignores_listing_order_and_directory(tensors, world, rnd):
+    owners = assign_owners(tensors, world)
+    shuffled = [(n, b, f.replace("/some/dir/", "/other/")) for n, b, f in tensors]
+    rnd.shuffle(shuffled)
+    assert assign_owners(shuffled, world) == owners
+    assert set(owners) == {n for n, _, _ in tensors}
+    assert all(0 <= r < world for r in owners.values())
+
+
+@hsettings(max_examples=60, deadline=None)
+@given(tensor_lists, st.integers(1, 5))
+def test_assign_owners_balances_bytes(tensors, world):
+    """Greedy largest-first: no rank exceeds the even share by more than the largest tensor."""
+    owners = assign_owners(tensors, world)
+    loads = [0] * world
+    for n, b, _ in tensors:
+        loads[owners[n]] += b
+    biggest = max((b for _, b, _ in tensors), default=0)
+    assert max(loads) <= sum(loads) / world + biggest
+
+
+def test_assign_owners_spreads_equal_tensors_and_rejects_bad_input():
+    owners = assign_owners([(f"w{i}", 100, "m.safetensors") for i in range(6)], 3)
+    assert sorted(owners.values()) == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="world_size"):
+        assign_owners([], 0)
+    with pytest.raises(ValueError, match="twice"):
+        assign_owners([("x", 1, "a"), ("x", 2, "a")], 2)
+
+
+@hsettings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 3)), max_size=20), st.integers(1, 3000))
+def test_exchange_windows_cover_every_byte_once_within_the_window(sizes, window):
+    tensors = [(f"t{i}", n, owner) for i, (n, owner) in enumerate(sizes)]
+    windows = exchange_windows(tensors, window)
+    covered = {name: [] for name, _, _ in tensors}
+    owner_of = {name: owner for name, _, owner in tensors}
+    for w in windows:
+        assert 0 < w.nbytes <= window
+        for name, start, length in w.segments:
+            assert owner_of[name] == w.owner and length > 0
+            covered[name].append((start, length))
+    for name, nbytes, _ in tensors:
+        pos = 0
+        for start, length in covered[name]:   # in order, back to back, nothing missing
+            assert start == pos
+            pos += length
+        assert pos == nbytes
+    # owners take turns: (turn, owner) of each window is increasing, turn = how many it sent before
+    seen: dict[int, int] = {}
+    turns = []
+    for w in windows:
+        turns.append((seen.get(w.owner, 0), w.owner))
+        seen[w.owner] = seen.get(w.owner, 0) + 1
+    assert turns == sorted(turns) and len(set(turns)) == len(turns)
+
+
+# -- collectives over gloo -----------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import foxhunt_stream as fs  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_harness import check_reports, collect, make_checkpoint, start_world  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def test_distributed_load_matches_single_process(tmp_path):
+    """World sizes 1, 2 and 3, run side by side (the time is mostly importing torch)."""
+    for world, reports, total in collect([start_world(tmp_path, w) for w in (1, 2, 3)]):
+        try:
+            check_reports(reports, world, total)
+        except AssertionError as e:
+            raise AssertionError(f"world size {world}: {e}") from None
+
+
+def test_process_group_needs_torch_framework(tmp_path):
+    make_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match="framework must be 'pt'"):
+        fs.load_file(str(tmp_path), framework="numpy", process_group=object())
+    with pytest.raises(ValueError, match="background"):
+        fs.load_file(str(tmp_path), framework="pt", process_group=object(), background=True)

@@ -191,7 +191,14 @@ def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None,
                   "write backend %s, fsync %s", os.fspath(path), len(ordered), total, len(items), s.threads,
                   s.chunk_bytes, s.staging_bytes, sorted({str(src.device) for src in ordered}) or ["-"],
                   s.write_backend, fsync)
-        Job(items, work, s.threads, name="foxhunt-save").start().wait()
+        if sink.backend == "pwrite" and digests is None and all(src.host is not None for src in ordered):
+            # Bytes already in host memory, written by pwrite: the kernel serializes writes to one
+            # file on its inode lock, so workers add nothing but cost (measured on the 2-core box,
+            # 256 MiB, fsync=False: 0.86-0.91x of safetensors through the pool, 0.95x inline)
+            for item in items:
+                work(0, item)
+        else:
+            Job(items, work, s.threads, name="foxhunt-save").start().wait()
         elapsed = time.perf_counter() - started
         if elapsed > 0:
             log.debug("save %s: %.3f s, %.2f GB/s (before commit)", os.fspath(path), elapsed, total / elapsed / 1e9)

@@ -488,8 +488,10 @@ def test_save_bad_input_writes_nothing(tmp_path):
 
 def test_save_interrupted_waiter_stops_workers_before_cleanup(tmp_path, monkeypatch):
     """An exception raised in the saving thread (Ctrl-C, a signal handler) must not remove the
-    temp file and close its descriptor while worker threads are still writing to it."""
+    temp file and close its descriptor while worker threads are still writing to it.
+    (Transposed inputs: converted piecewise, so the save runs on worker threads.)"""
     path, old, _ = _old_file(tmp_path)
+    tensors = {n: a.T for n, a in _new_tensors().items()}
 
     class Interrupt(Exception):
         pass
@@ -505,7 +507,7 @@ def test_save_interrupted_waiter_stops_workers_before_cleanup(tmp_path, monkeypa
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.1)
         with pytest.raises(Interrupt):
-            fs.save_file(_new_tensors(), path, chunk_bytes=16 << 10, threads=2)
+            fs.save_file(tensors, path, chunk_bytes=16 << 10, threads=2)
         alive = [t.name for t in threading.enumerate() if t.name.startswith("foxhunt-save") and t.is_alive()]
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -11,6 +11,8 @@ the same run, interleaving the contenders round by round so that both see the sa
   save     fs.save_file(t, p, fsync=False)  vs  safetensors.numpy.save_file(t, p)  (neither syncs),
            into a new path and over an existing file;
            fs.save_file(t, p) (fsync + rename)  vs  safetensors.numpy.save_file + os.fsync
+  backend  fs.save_file(fsync=False) with write_backend "mmap" and "pwrite" forced, into --dir and
+           into /dev/shm (when it is a tmpfs with room)
   memory   peak RSS growth of each save, in a fresh subprocess (VmHWM after - VmRSS before)
 
 Each save round starts after ``os.sync()`` (and, for "new path", with nothing at the path), so no
@@ -129,6 +131,14 @@ def raw_write(path: str, tensors, threads: int) -> None:
     for t in ts:
         t.join()
     os.close(fd)
+
+
+def _tmpfs_with_room(path: str, nbytes: int) -> bool:
+    from foxhunt_stream.sink import _in_memory_fs
+    if not os.path.isdir(path) or not _in_memory_fs(path):
+        return False
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize > nbytes
 
 
 def timed(fn) -> float:
@@ -259,6 +269,7 @@ def run(nbytes: int, work: str, rounds: int) -> None:
     add("ceiling", f"raw pwrite into a new file, no fsync ({threads} threads)", r["raw"])
     add("save", "safetensors.numpy.save_file, new path", r["safetensors"])
     add("save", "fs.save_file(fsync=False), new path", r["foxhunt"], ref=r["safetensors"])
+    fs.save_file(tensors, out, fsync=False)            # untimed: our bytes = the reference's
     with open(out, "rb") as f1, open(src, "rb") as f2:
         assert f1.read(1 << 20) == f2.read(1 << 20)
 
@@ -279,6 +290,26 @@ def run(nbytes: int, work: str, rounds: int) -> None:
                     setup=lambda: fresh_path(work, "out.safetensors"))
     add("save", "safetensors.numpy.save_file + os.fsync, new path", r["safetensors"])
     add("save", "fs.save_file (fsync + rename), new path", r["foxhunt"], ref=r["safetensors"])
+
+    # the two write backends, forced, into --dir and (if it is a tmpfs with room) /dev/shm
+    places = [("--dir", work)]
+    if _tmpfs_with_room("/dev/shm", 3 * total):
+        places.append(("/dev/shm", tempfile.mkdtemp(prefix="foxhunt-host-bench-", dir="/dev/shm")))
+    for label, where in places:
+        dst = os.path.join(where, "wb.safetensors")
+        try:
+            r = interleaved({"safetensors": lambda: stn.save_file(tensors, dst),
+                             "mmap": lambda: fs.save_file(tensors, dst, fsync=False, write_backend="mmap"),
+                             "pwrite": lambda: fs.save_file(tensors, dst, fsync=False, write_backend="pwrite")},
+                            rounds, setup=lambda: fresh_path(where, "wb.safetensors"))
+        finally:
+            if where != work:
+                shutil.rmtree(where, ignore_errors=True)
+        add("backend", f"safetensors.numpy.save_file into {label}", r["safetensors"])
+        add("backend", f"fs.save_file(fsync=False, write_backend='mmap') into {label}", r["mmap"],
+            ref=r["safetensors"])
+        add("backend", f"fs.save_file(fsync=False, write_backend='pwrite') into {label}", r["pwrite"],
+            ref=r["safetensors"])
     del tensors
 
     # peak RSS growth of a save, fresh process each

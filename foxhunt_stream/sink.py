@@ -76,9 +76,9 @@ class AtomicFile:
     Each write maps only its own window and unmaps it at once, so the process's RSS stays flat.
     ``auto`` maps files of at least 64 MiB on tmpfs/ramfs written by at least 8 threads
     (``writers``), where fallocate works; everything else uses pwrite. Measured on the 2-core dev
-    box (2 writers, 512 MiB, benchmarks/RESULTS.md): mmap was 2x slower than pwrite into
-    /dev/shm and 9x slower into a new file on ext4 with fsync=False (each first touch of a page of
-    a fallocated file goes through the filesystem's page_mkwrite); the mapping only pays off when
+    box (2 writers, benchmarks/RESULTS.md): mmap was 1.3-1.9x slower than pwrite into /dev/shm
+    and 3-9x slower into a new file on ext4 with fsync=False (plausibly because each first touch of
+    a page of a fallocated file is a fault into the filesystem); the mapping only pays off when
     many threads copy at once, and a disk filesystem was never measured faster by mmap.
     """
 

@@ -207,7 +207,11 @@ class Landing:
             raise
         self._drain()
         self.progress.close()
-        self._check_unchanged()
+        try:
+            self._check_unchanged()
+        except BaseException:
+            self.dests.release()   # a mixed-version load hands nothing back, nor keeps it alive
+            raise
         elapsed = time.perf_counter() - self.started
         if elapsed > 0:
             log.debug("load: %.3f s, %.2f GB/s", elapsed, self.plan.nbytes / elapsed / 1e9)

@@ -36,6 +36,7 @@ from .pipeline import Job
 from .reshard import save_sharded
 from .saver import split_shards
 from .sink import AtomicFile
+from .cli import fmt_bytes
 from .source import FileSource, resident_fraction
 
 DEFAULT_SIZE = {"cpu": 1 << 30, "cuda": 8 << 30}   # GPU figures want >= 8 GiB (DESIGN.md)
@@ -93,7 +94,7 @@ class Report:
         ck = self.checkpoint
         lines = [f"foxhunt-stream {__version__} bench: {self.device}, "
                  f"{self.threads} threads, {self.cache} page cache, median of {self.reps}",
-                 f"checkpoint: {ck['description']}, {_fmt_bytes(ck['bytes'])} in {ck['tensors']} tensors, "
+                 f"checkpoint: {ck['description']}, {fmt_bytes(ck['bytes'])} in {ck['tensors']} tensors, "
                  f"{ck['files']} file(s)", ""]
         width = max([len(r.name) for r in self.rows] + [20]) + 2
         lines.append(f"{'':{width}}{'GB/s':>8}  {'x ceiling':>9}  {'median s':>9}  note")
@@ -109,14 +110,6 @@ class Report:
             m = f"{r.median_s:9.3f}" if r.median_s is not None else f"{'-':>9}"
             lines.append(f"  {r.name:{width - 2}}{g}  {x}  {m}  {r.note}".rstrip())
         return "\n".join(lines)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n} B"
 
 
 # ---------------------------------------------------------------- the synthetic checkpoint
@@ -480,7 +473,7 @@ def run(source=None, *, device: str | None = None, size: int | str | None = None
     with _workdir(workdir) as tmp, _settings.override(**options):
         if source is None:
             size_b = _settings.parse_size(size) if size is not None else DEFAULT_SIZE[dev.kind]
-            say(f"writing a synthetic {_fmt_bytes(size_b)} bf16 checkpoint in {tmp} ...")
+            say(f"writing a synthetic {fmt_bytes(size_b)} bf16 checkpoint in {tmp} ...")
             ckpt_dir = os.path.join(tmp, "ckpt")
             os.makedirs(ckpt_dir)
             source = make_synthetic(ckpt_dir, size_b, shards, fsync=cold)
@@ -535,12 +528,12 @@ def _ceilings(report: Report, ck: Checkpoint, dev: Device, threads: int, chunk: 
     nbytes = report.checkpoint["bytes"]
     say("measuring ceilings ...")
     copy_bytes = max(chunk, min(nbytes, 256 << 20))
-    report.rows.append(Row("ceiling", f"host memcpy ({threads} threads, {_fmt_bytes(copy_bytes)})", copy_bytes,
+    report.rows.append(Row("ceiling", f"host memcpy ({threads} threads, {fmt_bytes(copy_bytes)})", copy_bytes,
                            memcpy_ceiling(copy_bytes, threads, reps, chunk)))
     if dev.is_cuda:
         cp = cupy()
         h2d_bytes = max(chunk, min(nbytes, 1 << 30))
-        report.rows.append(Row("ceiling", f"pinned host -> {dev} (cudaMemcpyAsync, {_fmt_bytes(h2d_bytes)})",
+        report.rows.append(Row("ceiling", f"pinned host -> {dev} (cudaMemcpyAsync, {fmt_bytes(h2d_bytes)})",
                                h2d_bytes, h2d_ceiling(cp, dev.index, h2d_bytes, reps)))
         with cp.cuda.Device(dev.index):
             slots = [pinned_buffer(cp, chunk) for _ in range(threads)]
@@ -646,7 +639,7 @@ def plot(report: Report, path: str) -> None:
         ax.text(b.get_width(), b.get_y() + b.get_height() / 2, f" {v:.2f}", va="center", fontsize=8)
     ax.set_xlabel("GB/s (median)")
     ck = report.checkpoint
-    ax.set_title(f"foxhunt-stream bench: {report.device}, {_fmt_bytes(ck['bytes'])}, {report.cache} cache",
+    ax.set_title(f"foxhunt-stream bench: {report.device}, {fmt_bytes(ck['bytes'])}, {report.cache} cache",
                  fontsize=10)
     ax.tick_params(axis="y", labelsize=8)
     fig.tight_layout()

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 import warnings
-from typing import Any, Iterator, Mapping, MutableMapping
+from typing import Any, Iterator, Mapping, MutableMapping, Sequence
 
 from . import settings as _settings
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
@@ -21,6 +21,7 @@ from .errors import FormatError, StoreMismatchError
 from .frameworks import Buffer, expected_host_dtype, framework_of, get_framework
 from .integrity import Verifier
 from .pipeline import Job
+from .placement import interleave_by_device, parse_device_map, resolve_device_map
 from .plan import LoadPlan, Selection, plan_load
 from .prefetch import warming
 from .progress import NO_PROGRESS, Progress, progress_bar
@@ -82,17 +83,21 @@ class Destinations:
         self._locks = [threading.Lock() for _ in range(n)] if make is not None else []
 
     @classmethod
-    def allocate(cls, framework, plan: LoadPlan, device: Device) -> "Destinations":
-        if device.is_cuda:
-            # the framework's allocator may hand back blocks that work already queued on its
-            # stream still reads; our copies run on other streams, so let that work finish first
-            framework.settle(device)
+    def allocate(cls, framework, plan: LoadPlan, device: Device | Sequence[Device]) -> "Destinations":
+        """``device``: one for all destinations, or one per destination (``device_map``)."""
+        per_dest = [device] * len(plan.destinations) if isinstance(device, Device) else list(device)
+        devices = {device} if isinstance(device, Device) else set(per_dest)
+        for dev in sorted(devices, key=str):
+            if dev.is_cuda:
+                # the framework's allocator may hand back blocks that work already queued on its
+                # stream still reads; our copies run on other streams, so let that work finish first
+                framework.settle(dev)
 
         def make(d: int):
             dest = plan.destinations[d]
-            arr = framework.empty(dest.dtype, dest.shape, device, dest.name)
+            arr = framework.empty(dest.dtype, dest.shape, per_dest[d], dest.name)
             return arr, framework.buffer(arr)
-        return cls(len(plan.destinations), {device}, make)
+        return cls(len(plan.destinations), devices, make)
 
     @classmethod
     def fixed(cls, buffers: list[Buffer], arrays: list) -> "Destinations":
@@ -305,7 +310,8 @@ class LoadHandle:
 @_reopen_if_replaced
 def load_file(source, device="cpu", framework: str | None = None, names: Names = None, *,
               background: bool = False, shard: Shard | None = None, verify: bool = False,
-              progress: bool | None = None, process_group=None, **options) -> dict[str, Any] | LoadHandle:
+              progress: bool | None = None, process_group=None, device_map: Mapping[str, Any] | None = None,
+              **options) -> dict[str, Any] | LoadHandle:
     """Load the selected tensors of a checkpoint; returns ``{name: array}``.
 
     ``source`` is a file, a list of files, an index.json or a directory. Unselected bytes are
@@ -317,7 +323,16 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     True: always; False: never). With ``process_group`` (a torch.distributed group; every rank
     calls this) the checkpoint is read once across the group and shared by broadcasts
     (``foxhunt_stream.distributed``; framework "pt" only, ``exchange_bytes=`` bounds its memory).
+    With ``device_map={name or prefix: device}`` (instead of ``device``) each tensor lands on the
+    device of the longest key that is its name or a prefix ending at a ``.`` (``""``: the default),
+    several GPUs at once, each with its own streams and staging (``foxhunt_stream.placement``).
     """
+    if device_map is not None:
+        if process_group is not None:
+            raise ValueError("load_file: device_map and process_group are not supported together")
+        if device is not None and not (isinstance(device, str) and device.strip().lower() == "cpu"):
+            raise ValueError(f"load_file: pass either device ({device!r}) or device_map, not both")
+        parse_device_map(device_map)   # a bad key or device fails before any file is opened
     if process_group is not None:
         from .distributed import load_file_distributed
         return load_file_distributed(source, device, framework, names, process_group=process_group,
@@ -329,10 +344,18 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     fw = get_framework(framework, dev)
     ck = open_checkpoint(source)
     chosen = select(ck, names)
+    placed: Device | list[Device] = dev
+    if device_map is not None:
+        placed = resolve_device_map(chosen, device_map)
+        for d in sorted(set(placed), key=str):
+            check_device(d)
+        fw = get_framework(framework, next((d for d in placed if d.is_cuda), CPU))   # the default: cupy on a GPU
     plan, s, verifier = _plan(ck, _selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify)
+    if device_map is not None:
+        plan = interleave_by_device(plan, placed)
     sources = open_sources(ck, s)
     try:
-        landing = Landing(plan, sources, Destinations.allocate(fw, plan, dev), s, verifier=verifier,
+        landing = Landing(plan, sources, Destinations.allocate(fw, plan, placed), s, verifier=verifier,
                           progress=progress_bar(plan.nbytes, "load", progress))
     except BaseException:
         _close_all(sources)

@@ -71,7 +71,7 @@ def load_file(filename: str | os.PathLike, device: str | int = "cpu", **options)
     """``safetensors.torch.load_file``: ``{name: torch.Tensor}`` on ``device``.
 
     Also takes a list of files, an index.json or a directory, and the loader's options
-    (``names``, ``background``, ``threads``, ``backend``...).
+    (``names``, ``background``, ``threads``, ``backend``, ``device_map`` for several GPUs...).
     """
     return _loader.load_file(filename, device=device, framework="pt", **options)
 

@@ -1,0 +1,83 @@
+"""Placement: which device each tensor lands on, for ``load_file(..., device_map={...})``.
+
+Pure functions, no I/O: ``resolve_device_map`` turns ``{name or prefix: device}`` into one
+``Device`` per selected tensor (every problem is found before a byte is read), and
+``interleave_by_device`` reorders a plan's chunks so that the copy links of several GPUs work at
+the same time instead of one after the other (the plan keeps file order within each device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+from .device import Device, DeviceError, parse_device
+from .plan import LoadPlan
+
+DeviceMap = Mapping[str, Any]
+
+
+def parse_device_map(device_map: DeviceMap) -> dict[str, Device]:
+    """``{key: Device}``: every value parsed (a bad one raises DeviceError naming its key)."""
+    if not isinstance(device_map, Mapping):
+        raise TypeError(f"device_map must be a mapping {{name or prefix: device}}, not {type(device_map).__name__}")
+    if not device_map:
+        raise ValueError("device_map is empty; map tensor names or prefixes to devices ('' is the default)")
+    out = {}
+    for key, value in device_map.items():
+        if not isinstance(key, str):
+            raise TypeError(f"device_map keys are tensor names or prefixes (str), not {key!r}")
+        try:
+            out[key] = parse_device(value)
+        except DeviceError as e:
+            raise DeviceError(f"device_map[{key!r}]: {e}") from None
+    return out
+
+
+def device_for(name: str, parsed: Mapping[str, Device]) -> Device | None:
+    """The device of the longest key that is ``name`` itself or a prefix of it ending at a ``.``
+    (``"a.b"`` or ``"a.b."`` match ``"a.b.c"``, not ``"a.bc"``); ``""`` matches everything."""
+    got = parsed.get(name)
+    if got is not None:
+        return got
+    i = len(name)
+    while (i := name.rfind(".", 0, i)) >= 0:
+        for key in (name[:i + 1], name[:i]):   # longest first: "a.b." before "a.b"
+            got = parsed.get(key)
+            if got is not None:
+                return got
+    return parsed.get("")
+
+
+def resolve_device_map(names: Sequence[str], device_map: DeviceMap) -> list[Device]:
+    """One device per name (same order). Raises ValueError listing (up to 10) unmapped names."""
+    parsed = parse_device_map(device_map)
+    devices = [device_for(n, parsed) for n in names]
+    unmapped = [n for n, d in zip(names, devices) if d is None]
+    if unmapped:
+        raise ValueError(f"device_map maps no device for {len(unmapped)} selected tensor(s), e.g. {unmapped[:10]}; "
+                         "add their names or prefixes, or a '' key as the default")
+    return devices
+
+
+def interleave_by_device(plan: LoadPlan, dest_devices: Sequence[Device]) -> LoadPlan:
+    """The plan with its chunks ordered so every device's share advances at the same pace.
+
+    A chunk's rank is the fraction of its device's bytes planned before it; sorting on that
+    (stably) keeps each device's chunks in their original order and, with one device, changes
+    nothing. With the halves of a checkpoint on two GPUs, both copy links then run throughout.
+    """
+    if len(set(dest_devices)) < 2:
+        return plan
+    total: dict[Device, int] = {}
+    for c in plan.chunks:
+        dev = dest_devices[c.dest]
+        total[dev] = total.get(dev, 0) + c.run.nbytes
+    done: dict[Device, int] = dict.fromkeys(total, 0)
+    keyed = []
+    for i, c in enumerate(plan.chunks):
+        dev = dest_devices[c.dest]
+        keyed.append((done[dev] / total[dev] if total[dev] else 0.0, i, c))
+        done[dev] += c.run.nbytes
+    keyed.sort(key=lambda k: (k[0], k[1]))
+    return dataclasses.replace(plan, chunks=tuple(c for _, _, c in keyed))

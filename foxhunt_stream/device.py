@@ -80,6 +80,16 @@ def check_device(device: Device) -> None:
         raise DeviceError(f"{device}: no such GPU; this machine has {n} CUDA device(s)")
 
 
+_current = threading.local()
+
+
+def use_device(index: int) -> None:
+    """Make GPU ``index`` current for this thread (once: a worker thread keeps it)."""
+    if getattr(_current, "index", None) != index:
+        cupy().cuda.runtime.setDevice(index)
+        _current.index = index
+
+
 def cuda_available() -> bool:
     try:
         check_device(Device("cuda", 0))

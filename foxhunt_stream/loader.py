@@ -166,11 +166,12 @@ class Landing:
         # a host worker holds one scratch slot at a time: more than `threads` is waste (and
         # staging/chunk of them, e.g. 131072 with 4 KiB chunks, took seconds to allocate)
         self._targets: dict[Device, Any] = {
-            dev: (CudaTarget(dev.index, s.chunk_bytes, s.n_slots) if dev.is_cuda
+            dev: (CudaTarget(dev.index, s.chunk_bytes, s.n_slots, s.threads) if dev.is_cuda
                   else HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)))
             for dev in dests.devices}
         self.started = time.perf_counter()
-        self.job = Job(plan.chunks, self._work, s.threads, self._on_done, keepalive=keepalive)
+        self.job = Job(plan.chunks, self._work, s.threads, self._on_done, keepalive=keepalive,
+                       teardown=self._worker_done)
         log.debug("load: %d tensors, %d bytes, %d chunks, %d threads, chunk %d, staging %d, backends %s",
                   len(plan.destinations), plan.nbytes, len(plan.chunks), s.threads, s.chunk_bytes,
                   s.staging_bytes, sorted({src.backend for src in sources}))
@@ -180,6 +181,11 @@ class Landing:
         buf = self.dests.buffer(chunk.dest)
         inspect = self.verifier.inspector(chunk.dest, chunk.run) if self.verifier is not None else None
         return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect)
+
+    def _worker_done(self, worker: int) -> None:
+        for t in self._targets.values():
+            if isinstance(t, CudaTarget):
+                t.release_worker(worker)
 
     def _on_done(self, i: int, chunk, event) -> None:
         with self._lock:

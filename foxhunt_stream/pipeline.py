@@ -21,11 +21,13 @@ class Job:
 
     def __init__(self, items: Sequence[Any], work: Callable[[int, Any], Any], threads: int,
                  on_done: Callable[[int, Any, Any], None] | None = None, name: str = "foxhunt",
-                 keepalive: Any = None, setup: Callable[[int], Any] | None = None) -> None:
+                 keepalive: Any = None, setup: Callable[[int], Any] | None = None,
+                 teardown: Callable[[int], Any] | None = None) -> None:
         self.items = items
         self._work = work
         self._on_done = on_done
         self._setup = setup
+        self._teardown = teardown   # runs on each worker thread as it stops, error or not
         self._next = itertools.count()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -58,13 +60,18 @@ class Job:
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
             self.fail(e)
         finally:
+            if self._teardown is not None:
+                try:
+                    self._teardown(worker)
+                except BaseException as e:  # noqa: BLE001
+                    self.fail(e)
             with self._lock:
                 self._alive -= 1
                 last = self._alive == 0
             if last:
                 # drop references to the work and its buffers: a finished job must not keep
                 # device memory alive through a reference cycle until the next GC pass
-                self._work = self._on_done = self._setup = None
+                self._work = self._on_done = self._setup = self._teardown = None
                 self.keepalive = None
                 self._done.set()
 

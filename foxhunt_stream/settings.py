@@ -36,7 +36,7 @@ def _default_threads() -> int:
 class Settings:
     threads: int = 0                 # reader/writer threads; 0 = one per CPU, at most 16
     chunk_bytes: int = 8 << 20       # bytes per copy through a staging slot (8 MiB: best on the H200 machine)
-    staging_bytes: int = 512 << 20   # pinned staging per device (slots = staging / chunk)
+    staging_bytes: int = 256 << 20   # pinned staging per device (slots = staging / chunk; 2 per worker)
     backend: str = "pread"           # pread | mmap | direct
     direct_io: str = "auto"          # auto | on | off (auto: O_DIRECT when the file is mostly not cached)
     write_backend: str = "auto"      # auto | mmap | pwrite (auto: mmap for big files on tmpfs, >= 8 threads)

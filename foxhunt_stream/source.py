@@ -66,9 +66,8 @@ class FileSource:
 
     def _count(self, n: int) -> None:
         global _total_read
-        with self._lock:
+        with _total_lock:   # one short lock per read: both counters
             self.bytes_read += n
-        with _total_lock:
             _total_read += n
 
     def size(self) -> int:
@@ -278,7 +277,7 @@ def open_source(path, backend: str = "pread", expected_size: int | None = None) 
 _libc = None
 
 
-def resident_fraction(path: str | os.PathLike, samples: int = 256) -> float:
+def resident_fraction(path: str | os.PathLike, samples: int = 64) -> float:
     """Fraction of the file's pages in the page cache, from ``samples`` pages spread evenly
     over it (one mincore call each: O(samples), not O(file size), so it costs well under a
     millisecond even for a multi-GB shard). ``samples`` >= the page count checks every page."""

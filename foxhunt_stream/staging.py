@@ -23,6 +23,7 @@ class Slot:
     array: np.ndarray       # uint8, page-aligned
     event: Any = None       # the last async copy reading/writing this slot, if any
     owner: Any = None       # keeps the allocation alive
+    cuda_event: Any = None  # a reusable CUDA event for this slot's copies (made by the GPU target)
 
     @property
     def ptr(self) -> int:
@@ -53,6 +54,17 @@ class StagingPool:
             slot = self._free.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError("no staging buffer came free in time") from None
+        if slot.event is not None:
+            slot.event.synchronize()
+            slot.event = None
+        return slot
+
+    def try_acquire(self) -> Slot | None:
+        """A free slot, or None at once if none is free."""
+        try:
+            slot = self._free.get_nowait()
+        except queue.Empty:
+            return None
         if slot.event is not None:
             slot.event.synchronize()
             slot.event = None

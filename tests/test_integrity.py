@@ -244,7 +244,17 @@ def test_hashing_happens_once_per_byte_on_the_worker_threads(saved, monkeypatch)
             seen.append((threading.current_thread().name, len(data)))
         return real.fn(data)
 
-    monkeypatch.setitem(integrity._algorithms, algo, integrity.Algorithm(algo, real.width, spy))
+    class SpyHasher:   # the streaming side: chunks are hashed piece by piece as they are read
+        def __init__(self):
+            self.h = real.new()
+
+        def update(self, data):
+            with lock:
+                seen.append((threading.current_thread().name, len(data)))
+            self.h.update(data)
+
+    monkeypatch.setitem(integrity._algorithms, algo,
+                        integrity.Algorithm(algo, real.width, spy, SpyHasher, lambda s: real.final(s.h)))
     reads: list[int] = []
     monkeypatch.setattr(source, "fault_hook", lambda src, off, n: reads.append(n))
     out = fs.load_file(saved, verify=True, threads=3, **SMALL)
@@ -381,3 +391,35 @@ def test_gpu_save_with_checksums_matches_the_definition(tmp_path):
     fs.save_file({"x": cp.asarray(x)}, p, checksum="xxh3-64", checksum_block=BLOCK, **SMALL)
     assert stored(p)["tensors"]["x"] == ref_digest(x.tobytes(), "xxh3-64", BLOCK)
     assert fs.verify(p).checked == 1
+
+
+@pytest.mark.parametrize("algo", ["xxh3-64", "crc32c"])
+@pytest.mark.parametrize("size,piece", [(3 * 4096 + 100, 1000), (8192, 8192), (4096 * 5, 3000), (5000, 1)])
+def test_chunk_hasher_pieces_give_the_one_shot_digest(algo, size, piece):
+    """The loader hashes chunks piece by piece as they are read; the digest must not depend on the cut."""
+    if algo == "crc32c":
+        pytest.importorskip("google_crc32c")
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    a = integrity.algorithm(algo)
+    t = integrity.TensorHasher(a, 4096, size)
+    done = []
+    for off in range(0, size, 8192):   # chunks of two blocks, each fed in `piece`-byte pieces
+        n = min(8192, size - off)
+        ch = integrity.ChunkHasher(t, off, n, lambda: done.append(True))
+        for p in range(off, off + n, piece):
+            ch.update(data[p:min(p + piece, off + n)])
+        ch.done()
+    assert done == [True]
+    assert t.digest() == integrity.tensor_digest(data, algo, 4096)
+
+
+def test_chunk_hasher_rejects_misuse():
+    t = integrity.TensorHasher(integrity.algorithm("xxh3-64"), 4096, 10000)
+    with pytest.raises(ValueError, match="not cut"):
+        integrity.ChunkHasher(t, 100, 4096, lambda: None)
+    ch = integrity.ChunkHasher(t, 0, 4096, lambda: None)
+    ch.update(np.zeros(100, np.uint8))
+    with pytest.raises(ValueError, match="only"):
+        ch.done()
+    with pytest.raises(ValueError, match="more bytes"):
+        ch.update(np.zeros(5000, np.uint8))

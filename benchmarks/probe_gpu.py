@@ -46,10 +46,15 @@ def instrument():
         if inspect is not None:
             inner = inspect
 
-            def inspect(data):
-                t = pc()
-                inner(data)
-                EVENTS.append(("hash", threading.get_ident(), t, pc(), data.nbytes))
+            class Timed:   # a ChunkHasher, timed
+                def update(self, data):
+                    t = pc()
+                    inner.update(data)
+                    EVENTS.append(("hash", threading.get_ident(), t, pc(), data.nbytes))
+
+                def done(self):
+                    inner.done()
+            inspect = Timed()
         t = pc()
         ev = orig_land(self, worker, source, run, buf, inspect)
         EVENTS.append(("land", threading.get_ident(), t, pc(), run.nbytes))
@@ -202,8 +207,12 @@ def main():
                      fsync=False)
         results.append(run_case("verify=False (one shard)", lambda: fs.load_file(args.verify_file, device="cuda:0",
                                                                                 framework="pt"), sync))
-        results.append(run_case("verify=True (one shard)", lambda: fs.load_file(args.verify_file, device="cuda:0",
-                                                                               framework="pt", verify=True), sync))
+        for piece in (1 << 20, 4 << 20, 64 << 20):
+            ftarget.PIECE_BYTES = piece
+            results.append(run_case(f"verify=True (one shard), pieces of {piece >> 20} MiB",
+                                    lambda: fs.load_file(args.verify_file, device="cuda:0", framework="pt", verify=True),
+                                    sync))
+        ftarget.PIECE_BYTES = 1 << 20
         os.unlink(args.verify_file)
     except Exception as e:  # noqa: BLE001
         print("verify probe failed:", repr(e), flush=True)

@@ -3,7 +3,7 @@
 Format. ``save_file(..., checksum="xxh3-64")`` adds ONE entry to ``__metadata__``,
 ``"foxhunt.checksums"``, whose value is a compact JSON string::
 
-    {"v":1,"algorithm":"xxh3-64","block_bytes":16777216,"tensors":{"<name>":"<hex digest>",...}}
+    {"v":1,"algorithm":"xxh3-64","block_bytes":8388608,"tensors":{"<name>":"<hex digest>",...}}
 
 Any other reader sees one more metadata string and ignores it: the file stays plain safetensors.
 
@@ -39,7 +39,7 @@ from .staging import host_pool
 METADATA_KEY = "foxhunt.checksums"
 FORMAT_VERSION = 1
 ALGORITHMS = ("xxh3-64", "crc32c")
-DEFAULT_BLOCK = 16 << 20
+DEFAULT_BLOCK = 8 << 20    # = the default chunk: verify=True loads keep the default chunking
 MIN_BLOCK = 4096           # a block must be a multiple of every itemsize, and cheap to track
 MAX_BLOCK = 256 << 20      # bounds the chunk (and staging slot) a hostile file can make us allocate
 
@@ -325,10 +325,11 @@ class Verifier:
         return [h is not None for h in self._hashers]
 
     def settings(self, s: _settings.Settings) -> _settings.Settings:
-        """``s`` with chunks large enough to hold whole blocks."""
+        """``s`` with chunks large enough to hold whole blocks, and staging grown with them so each
+        worker keeps as many slots as before (one slot per worker serializes its reads and copies)."""
         if self.granule <= s.chunk_bytes:
             return s
-        return replace(s, chunk_bytes=self.granule, staging_bytes=max(s.staging_bytes, self.granule))
+        return replace(s, chunk_bytes=self.granule, staging_bytes=s.n_slots * self.granule)
 
     def add(self, dest: int, offset: int, data) -> None:
         h = self._hashers[dest]

@@ -137,7 +137,7 @@ def test_file_is_byte_identical_to_the_reference_given_the_same_metadata(tmp_pat
 
 def test_default_block_is_recorded(tmp_path):
     fs.save_file({"x": np.ones(10, np.float32)}, tmp_path / "m.safetensors", checksum="xxh3-64")
-    assert stored(tmp_path / "m.safetensors")["block_bytes"] == 16 << 20
+    assert stored(tmp_path / "m.safetensors")["block_bytes"] == 8 << 20
 
 
 def test_stale_checksum_metadata_from_elsewhere_is_dropped(tmp_path):

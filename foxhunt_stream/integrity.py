@@ -329,7 +329,9 @@ class Verifier:
         worker keeps as many slots as before (one slot per worker serializes its reads and copies)."""
         if self.granule <= s.chunk_bytes:
             return s
-        return replace(s, chunk_bytes=self.granule, staging_bytes=s.n_slots * self.granule)
+        # two slots per worker, within 1 GiB (a hostile file may claim 256 MiB blocks)
+        slots = min(2 * s.threads, max(1, (1 << 30) // self.granule))
+        return replace(s, chunk_bytes=self.granule, staging_bytes=max(s.staging_bytes, slots * self.granule))
 
     def add(self, dest: int, offset: int, data) -> None:
         h = self._hashers[dest]

@@ -423,3 +423,16 @@ def test_chunk_hasher_rejects_misuse():
         ch.done()
     with pytest.raises(ValueError, match="more bytes"):
         ch.update(np.zeros(5000, np.uint8))
+
+
+@pytest.mark.parametrize("chunk,block,threads", [(4096, 8 << 20, 16), (8 << 20, 256 << 20, 16), (4096, 16 << 20, 3)])
+def test_bigger_blocks_grow_the_chunk_and_keep_staging_bounded(chunk, block, threads):
+    """Chunks grow to whole checksum blocks; staging keeps up to 2 slots per worker but never
+    balloons (a small chunk_bytes used to multiply into hundreds of GiB of pinned memory)."""
+    from foxhunt_stream import settings as fs_settings
+    s = fs_settings.merge(chunk_bytes=chunk, threads=threads)   # default staging: 256 MiB
+    v = integrity.Verifier([("p", "x", integrity.Checksums("xxh3-64", block, {"x": "0" * 16}))], [1 << 40])
+    got = v.settings(s)
+    assert got.chunk_bytes == block
+    assert got.n_slots >= 1 and got.staging_bytes <= max(1 << 30, s.staging_bytes)
+    assert got.n_slots >= min(2 * threads, (1 << 30) // block)

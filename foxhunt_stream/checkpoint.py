@@ -155,9 +155,12 @@ def _from_index(index_path: str) -> Resolved:
     roots = _allowed_roots(base)
     files: list[str] = []
     seen: dict[str, str] = {}
+    checked: dict[str, str] = {}   # file name as written -> its path (a few files, many names)
     for name, fname in obj["weight_map"].items():
         if not isinstance(fname, str) or not fname:
             raise FormatError("index-weight-map", f"weight_map[{name!r}] must be a file name", path=index_path)
+        if fname in checked:
+            continue
         if os.path.isabs(fname) or ".." in fname.replace("\\", "/").split("/"):
             raise FormatError("index-path-escape", f"weight_map[{name!r}] = {fname!r} leaves the checkpoint directory",
                               path=index_path, tensor=name)
@@ -173,8 +176,9 @@ def _from_index(index_path: str) -> Resolved:
                                   path=index_path, tensor=name)
             seen[full] = full
             files.append(full)
+        checked[fname] = full
     meta = obj.get("metadata")
-    weight_map = {k: os.path.normpath(os.path.join(base, v)) for k, v in obj["weight_map"].items()}
+    weight_map = {k: checked[v] for k, v in obj["weight_map"].items()}
     return Resolved(files, weight_map, meta if isinstance(meta, dict) else None, index_path)
 
 

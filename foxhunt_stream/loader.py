@@ -114,6 +114,31 @@ class Destinations:
                     self.buffers[d] = b
         return b
 
+    def allocate_ahead(self, order, stop: threading.Event) -> threading.Thread | None:
+        """Allocate destinations in ``order`` on one thread, ahead of the workers that need them.
+
+        Sixteen workers each allocating the destination they reach contend for the GIL and the
+        framework allocator's lock: on the H200, 291 allocations of a tensor-parallel shard
+        cost ~40 ms of a ~110 ms load (preallocated: ~70 ms). One thread running ahead does them
+        back to back; a worker that overtakes it allocates for itself, as before. A failure here
+        (out of memory) is left for that worker to meet and report, naming the tensor.
+        """
+        if self._make is None:
+            return None
+
+        def run():
+            for d in order:
+                if stop.is_set():
+                    return
+                if self.buffers[d] is None:
+                    try:
+                        self.buffer(d)
+                    except BaseException:  # noqa: BLE001 - the worker raises it, with context
+                        return
+        t = threading.Thread(target=run, name="foxhunt-alloc", daemon=True)
+        t.start()
+        return t
+
     def array(self, d: int):
         self.buffer(d)   # zero-byte destinations have no chunk: allocate them here
         return self.arrays[d]
@@ -175,6 +200,8 @@ class Landing:
         log.debug("load: %d tensors, %d bytes, %d chunks, %d threads, chunk %d, staging %d, backends %s",
                   len(plan.destinations), plan.nbytes, len(plan.chunks), s.threads, s.chunk_bytes,
                   s.staging_bytes, sorted({src.backend for src in sources}))
+        # the allocator starts first so that it leads the workers
+        self._allocator = dests.allocate_ahead(plan.dest_order(), self.job._cancel) if len(plan.destinations) > 1 else None
         self.job.start()
 
     def _work(self, worker: int, chunk):
@@ -212,10 +239,12 @@ class Landing:
         try:
             self.job.wait()
         except BaseException:
+            self._join_allocator()
             self._drain()
             self.dests.release()
             self.progress.close()
             raise
+        self._join_allocator()
         self._drain()
         self.progress.close()
         try:
@@ -226,6 +255,11 @@ class Landing:
         elapsed = time.perf_counter() - self.started
         if elapsed > 0:
             log.debug("load: %.3f s, %.2f GB/s", elapsed, self.plan.nbytes / elapsed / 1e9)
+
+    def _join_allocator(self) -> None:
+        if self._allocator is not None:
+            self._allocator.join()   # every destination it started is allocated or failed
+            self._allocator = None
 
     def _check_unchanged(self) -> None:
         """A file rewritten or resized while it was read may have fed us a mix of two versions."""

@@ -67,6 +67,10 @@ class LoadPlan:
     def max_span(self) -> int:
         return max((c.run.span for c in self.chunks), default=0)
 
+    def dest_order(self) -> list[int]:
+        """Destinations in the order the pipeline first reaches them (their first chunk's place)."""
+        return list(dict.fromkeys(c.dest for c in self.chunks))
+
 
 # ---------------------------------------------------------------- basic indexing
 

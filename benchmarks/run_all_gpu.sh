@@ -7,7 +7,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 python3 -c "import sys; sys.path.insert(0,'benchmarks'); import gpu_bench as g; g.build_checkpoint('/dev/shm/tpb', 15, 4)" 2>&1 | tail -1
 TEST_TIMEOUT=${TEST_TIMEOUT:-160} GPU_TESTS=${GPU_TESTS:-"-n 8 tests"} \
-  FH_SWEEP=${FH_SWEEP:-pread:16:8:256,pread:16:8:512,pread:16:16:512,pread:8:8:128} BENCH_TIMEOUT=150 \
+  FH_SWEEP=${FH_SWEEP:-pread:16:8:256,pread:16:8:512,mmap:16:8:256} BENCH_TIMEOUT=150 \
   bash benchmarks/run_gpu.sh --dir /dev/shm/tpb --size-gib 15 --shards 4 --sweep --no-cold --no-save \
   > "$OUT/run_gpu.out" 2>&1
 tail -45 "$OUT/run_gpu.out"

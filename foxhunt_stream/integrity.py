@@ -143,11 +143,10 @@ class TensorHasher:
 class ChunkHasher:
     """Hashes one chunk of a tensor piece by piece, in order, as its bytes arrive.
 
-    The loader reads a chunk in small pieces and hashes each right after reading it, while it is
-    still in the CPU cache: hashing an 8 MiB slot after the fact reads it from DRAM again, and on
-    a GPU load that DRAM bandwidth is what the page-cache reads and the DMA engine are using
-    (one pass over whole slots cost +50% load time on the H200, cache-hot pieces a fraction).
-    ``done()`` records the chunk's block digests and checks the tensor if it is now complete.
+    The loader feeds it the chunk's bytes on the worker thread right after reading them
+    (``target.read_inspected``; pieces of ``target.PIECE_BYTES``, by default the whole chunk),
+    so no second pass over the data is made. ``done()`` records the chunk's block digests and
+    checks the tensor if it is now complete.
     """
 
     __slots__ = ("_tensor", "_first", "_pos", "_end", "_h", "_digests", "_on_complete")

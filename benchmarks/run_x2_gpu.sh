@@ -7,7 +7,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,pcie.link.gen.current,pcie.link.width.current --format=csv; nvidia-smi topo -m; nproc; git log -1 --format=%H; } 2>&1 | tee "$OUT/env.log"
 python3 -c "import sys; sys.path.insert(0,'benchmarks'); import gpu_bench as g; g.build_checkpoint('/dev/shm/tpb', 15, 4)" 2>&1 | tail -1
-timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout=200 tests/test_gpu_distributed.py tests/test_gpu_device_map.py 2>&1 | tee "$OUT/pytest.log" | tail -8
+timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout=120 tests/test_gpu_distributed.py tests/test_gpu_device_map.py tests/test_gpu.py 2>&1 | tee "$OUT/pytest.log" | tail -8
 timeout 60 python3 - <<'PY' 2>&1 | tee "$OUT/single.log"
 import time, torch, foxhunt_stream as fs
 ts = []

@@ -6,19 +6,24 @@ and write them back just as fast.
     fs.save_file(tensors, "copy.safetensors")
 """
 
-from . import settings
-from .checkpoint import read_header
-from .device import DeviceError
-from .distributed import DistributedLoadError
-from .errors import ChecksumError, DeviceOutOfMemoryError, FormatError, StoreMismatchError
-from .integrity import VerifyReport, verify
-from .loader import LoadHandle, LoadIntoWarning, load_file, load_into, safe_open
-from .prefetch import PrefetchHandle, prefetch, warmup
-from .saver import save_file
-from .shard import Shard
-from .sink import clean_stale_temps
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from .errors import ChecksumError, DeviceError, DeviceOutOfMemoryError, FormatError, StoreMismatchError
 
 __version__ = "0.1.0"
+
+# Everything else loads on first use (PEP 562), so ``import foxhunt_stream`` costs a few
+# milliseconds and imports neither numpy nor torch nor cupy; the first ``fs.load_file`` pays
+# for the modules it needs. Name -> the module that defines it.
+_LAZY = {
+    "read_header": "checkpoint", "DistributedLoadError": "distributed", "VerifyReport": "integrity",
+    "verify": "integrity", "LoadHandle": "loader", "LoadIntoWarning": "loader", "load_file": "loader",
+    "load_into": "loader", "safe_open": "loader", "PrefetchHandle": "warm", "prefetch": "warm",
+    "warmup": "warm", "save_file": "saver", "Shard": "shard", "clean_stale_temps": "sink",
+}
 
 __all__ = [
     "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
@@ -27,11 +32,34 @@ __all__ = [
     "DistributedLoadError",
 ]
 
+if TYPE_CHECKING:   # what static tools see; at run time these load lazily
+    from . import settings
+    from .checkpoint import read_header
+    from .distributed import DistributedLoadError
+    from .integrity import VerifyReport, verify
+    from .loader import LoadHandle, LoadIntoWarning, load_file, load_into, safe_open
+    from .warm import PrefetchHandle, prefetch, warmup
+    from .saver import save_file
+    from .shard import Shard
+    from .sink import clean_stale_temps
+
 
 def __getattr__(name: str):
-    # ``fs.torch`` (the safetensors.torch drop-ins) imports torch, so only on first use:
-    # ``import foxhunt_stream`` itself stays light (no torch, no cupy).
-    if name == "torch":
-        import importlib
-        return importlib.import_module(".torch", __name__)
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+        globals()[name] = value   # next time: a plain attribute
+        return value
+    if not name.startswith("_"):
+        # submodules: ``fs.settings``, ``fs.source``...; ``fs.torch`` (the safetensors.torch
+        # drop-ins) imports torch, so it too only loads when asked for
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

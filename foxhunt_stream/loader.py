@@ -23,7 +23,7 @@ from .integrity import Verifier
 from .pipeline import Job
 from .placement import interleave_by_device, parse_device_map, resolve_device_map
 from .plan import LoadPlan, Selection, plan_load
-from .prefetch import warming
+from .warm import warming
 from .progress import NO_PROGRESS, Progress, progress_bar
 from .shard import Shard, indices_for, shard_shape
 from .source import FileSource, open_source, resident_fraction

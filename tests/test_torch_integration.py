@@ -23,7 +23,7 @@ import safetensors.torch as sttorch  # noqa: E402
 
 import foxhunt_stream as fs  # noqa: E402
 from foxhunt_stream import loader, pipeline, source  # noqa: E402
-from foxhunt_stream.prefetch import plan_pieces, warming  # noqa: E402  (fs.prefetch is the function)
+from foxhunt_stream.warm import plan_pieces, warming  # noqa: E402  (fs.prefetch is the function)
 from foxhunt_stream.checkpoint import open_checkpoint  # noqa: E402
 from foxhunt_stream.settings import merge  # noqa: E402
 

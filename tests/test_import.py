@@ -1,0 +1,48 @@
+"""``import foxhunt_stream`` stays light: no numpy, torch or cupy until a name that needs them is
+used, and every public name still resolves (lazily) to the right object."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import foxhunt_stream as fs
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code: str) -> str:
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_import_loads_no_heavy_module():
+    out = _run("import sys, foxhunt_stream as fs; "
+               "print(sorted(m for m in ('numpy', 'torch', 'cupy', 'ml_dtypes', 'foxhunt_stream.loader') "
+               "if m in sys.modules))")
+    assert out == "[]"
+
+
+def test_every_public_name_resolves():
+    for name in fs.__all__:
+        value = getattr(fs, name)
+        assert value is not None, name
+    assert callable(fs.prefetch) and callable(fs.load_file) and fs.settings.merge   # functions, not modules
+    from foxhunt_stream.loader import load_file
+    assert fs.load_file is load_file
+    assert set(fs.__all__) <= set(dir(fs))
+
+
+def test_prefetch_stays_the_function_after_the_loader_imports_its_module():
+    out = _run("import foxhunt_stream as fs; import foxhunt_stream.loader; print(callable(fs.prefetch), "
+               "type(fs.prefetch).__name__)")
+    assert out == "True function"
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    import pytest
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        fs.nope

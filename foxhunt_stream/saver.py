@@ -261,7 +261,7 @@ def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | No
     is written before any is renamed into place, and the index last.
     ``checksum`` ("xxh3-64" or "crc32c") stores per-tensor digests in ``__metadata__`` under
     "foxhunt.checksums" (hashed as the chunks are written; ``checksum_block``: block size, default
-    16 MiB), for ``load_file(verify=True)`` and ``foxhunt_stream.verify``. A "foxhunt.checksums"
+    8 MiB), for ``load_file(verify=True)`` and ``foxhunt_stream.verify``. A "foxhunt.checksums"
     entry in ``metadata`` itself is dropped: it described some other file's bytes.
     ``progress``: a bar on stderr (None: only on a terminal and past about a second).
     """

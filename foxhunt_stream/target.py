@@ -67,7 +67,7 @@ class HostTarget:
             self._pool = host_pool(self.scratch_bytes, self.n_slots)
         return self._pool
 
-    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None, track: bool = False):
+    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None):
         if run.height == 1 and source.direct_reads:
             dst = buf.host[run.dst:run.dst + run.width]
             if inspect is not None:   # checksums: hashed piece by piece as they land, on this thread
@@ -155,10 +155,7 @@ class CudaTarget:
         for slot, ev, pending in zip(ring.slots, ring.events, ring.pending):
             pool.release(slot, ev if pending else None)
 
-    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None, track: bool = False):
-        """Queue the chunk's copy; returns an event for it alone when ``track`` (per-destination
-        waits), else None (the caller drains the streams). The slot's own event is re-recorded by
-        later chunks, so it cannot stand for this one."""
+    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None):
         rt = self._rt
         ring = self._rings.get(worker)
         if ring is None:
@@ -187,11 +184,7 @@ class CudaTarget:
                                  H2D, ring.stream_ptr)
         rt.eventRecord(event.ptr, ring.stream_ptr)
         ring.pending[k] = True
-        if not track:
-            return None
-        mine = self.cp.cuda.Event(block=False, disable_timing=True)
-        rt.eventRecord(mine.ptr, ring.stream_ptr)
-        return mine
+        return event
 
     def fetch(self, worker: int, src_ptr: int, nbytes: int):
         """Device bytes -> a pinned slot; returns (slot, view) once the copy is complete."""

@@ -283,8 +283,13 @@ class Verifier:
     pinned slot on the way to a GPU).
     """
 
-    def __init__(self, checks: list[tuple[str, str, Checksums] | None], sizes: Sequence[int]) -> None:
+    def __init__(self, checks: list[tuple[str, str, Checksums] | None], sizes: Sequence[int],
+                 on: str = "read") -> None:
         self._checks = checks
+        # "landed": xxh3-64 tensors are hashed once whole, where they landed (landed_digests)
+        self._landed = [on == "landed" and c is not None and c[2].algorithm == "xxh3-64" for c in checks]
+        self._pending: dict[int, tuple] = {}   # dest -> (device digests, buffer), not yet checked
+        self._pending_lock = threading.Lock()
         self._hashers = [None if c is None else TensorHasher(algorithm(c[2].algorithm), c[2].block_bytes, size)
                          for c, size in zip(checks, sizes)]
         self.granule = max((c[2].block_bytes for c in checks if c is not None), default=1)
@@ -294,7 +299,7 @@ class Verifier:
 
     @classmethod
     def for_selections(cls, ck: Checkpoint, selections: Sequence[Selection], sizes: Sequence[int],
-                       require: bool = True) -> "Verifier":
+                       require: bool = True, on: str = "read") -> "Verifier":
         """A verifier for whole-tensor selections; ``require``: a tensor without a digest is an error
         (otherwise it is left unchecked)."""
         per_file: dict[int, Checksums | None] = {}
@@ -317,7 +322,7 @@ class Verifier:
                 checks.append(None)
             else:
                 checks.append((path, name, sums))
-        return cls(checks, sizes)
+        return cls(checks, sizes, on)
 
     @property
     def checked(self) -> list[bool]:
@@ -339,11 +344,59 @@ class Verifier:
 
     def inspector(self, dest: int, run) -> ChunkHasher | None:
         h = self._hashers[dest]
-        if h is None:
+        if h is None or self._landed[dest]:
             return None
         if run.height != 1:
             raise ValueError("checksums cover whole tensors; a strided run cannot be verified")
         return ChunkHasher(h, run.dst, run.width, lambda: self._check(dest))
+
+    # -- verify_on="landed": a whole tensor hashed where it landed, once all its chunks are in
+
+    def hashes_landed(self, dest: int) -> bool:
+        return self._landed[dest]
+
+    def landed(self, dest: int, buf, stream=None) -> None:
+        """Destination ``dest`` has landed in ``buf`` (its copies queued before ``stream``'s
+        current point, on a GPU). Host bytes are hashed and checked now; device bytes get their
+        block digests computed by a kernel queued on ``stream`` and are checked by ``settle``."""
+        h = self._hashers[dest]
+        if h is None or not self._landed[dest] or h.size == 0:
+            return
+        if not buf.device.is_cuda:
+            data = buf.host[:h.size]
+            if h.add(0, data):
+                self._check(dest)
+            return
+        from .device_digest import block_digests
+        if buf.ptr % 8 == 0:
+            out = block_digests(buf.ptr, h.size, h.block, buf.device.index, stream)
+        else:   # an unaligned view (load_into a slice of a bigger tensor): hash a host copy
+            out = None
+        with self._pending_lock:
+            self._pending[dest] = (out, buf, stream)
+
+    def settle(self, dest: int | None = None) -> None:
+        """Check what ``landed`` queued on a GPU (every destination, or just ``dest``): waits for
+        the digests, hashes short last blocks (and unaligned tensors) on the host, raises
+        ChecksumError on a mismatch."""
+        with self._pending_lock:
+            todo = ([dest] if dest in self._pending else []) if dest is not None else list(self._pending)
+            items = [(d, self._pending.pop(d)) for d in todo]
+        for d, (out, buf, stream) in items:
+            h = self._hashers[d]
+            if stream is not None:
+                stream.synchronize()
+            if out is None:
+                if h.add(0, _device_bytes(buf, 0, h.size)):
+                    self._check(d)
+                continue
+            from .device_digest import MIN_LONG
+            digests = [int(x) for x in out.get()]
+            last = (len(digests) - 1) * h.block
+            if h.size - last < MIN_LONG:   # the kernel leaves short blocks to the host
+                digests[-1] = h.algo.fn(_device_bytes(buf, last, h.size - last))
+            if h.add_digests(0, digests) and digests:
+                self._check(d)
 
     def _check(self, dest: int) -> None:
         path, name, sums = self._checks[dest]
@@ -351,6 +404,14 @@ class Verifier:
         if got != want:
             raise ChecksumError("checksum", f"{sums.algorithm} digest {got} does not match {want} stored in the "
                                 "file: the tensor's bytes changed after it was saved", path=path, tensor=name)
+
+
+def _device_bytes(buf, offset: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of a device buffer copied to the host (short tails, unaligned tensors)."""
+    import cupy as cp
+    with cp.cuda.Device(buf.device.index):
+        mem = cp.cuda.UnownedMemory(buf.ptr + offset, nbytes, None, buf.device.index)
+        return cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0)).get()
 
 
 # ---------------------------------------------------------------- fs.verify

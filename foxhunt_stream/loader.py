@@ -185,6 +185,7 @@ class Landing:
         self._remaining = list(plan.chunks_per_dest)
         self._events: list[list] = [[] for _ in plan.destinations]
         self._ready = [threading.Event() for _ in plan.destinations]
+        self._verify_streams: dict[Device, Any] = {}
         for d, n in enumerate(self._remaining):
             if n == 0:
                 self._ready[d].set()
@@ -215,13 +216,35 @@ class Landing:
                 t.release_worker(worker)
 
     def _on_done(self, i: int, chunk, event) -> None:
+        d = chunk.dest
         with self._lock:
             if event is not None:
-                self._events[chunk.dest].append(event)
-            self._remaining[chunk.dest] -= 1
-            if self._remaining[chunk.dest] == 0:
-                self._ready[chunk.dest].set()
+                self._events[d].append(event)
+            self._remaining[d] -= 1
+            complete = self._remaining[d] == 0
+        if complete and self.verifier is not None and self.verifier.hashes_landed(d):
+            self._verify_landed(d)
+        if complete:
+            self._ready[d].set()
         self.progress.update(chunk.run.nbytes)
+
+    def _verify_landed(self, d: int) -> None:
+        """verify_on="landed": hash destination ``d`` where it is, now that all of it is in."""
+        buf = self.dests.buffer(d)
+        if not buf.device.is_cuda:
+            self.verifier.landed(d, buf)
+            return
+        from .device import cupy
+        cp = cupy()
+        with cp.cuda.Device(buf.device.index):
+            with self._lock:
+                stream = self._verify_streams.get(buf.device)
+                if stream is None:
+                    stream = self._verify_streams[buf.device] = cp.cuda.Stream(non_blocking=True)
+                events = list(self._events[d])
+            for ev in events:   # the hash runs after every copy of this destination
+                stream.wait_event(ev)
+            self.verifier.landed(d, buf, stream)
 
     def wait_dest(self, d: int) -> None:
         """Block until destination ``d`` has fully landed (its copies complete)."""
@@ -233,6 +256,8 @@ class Landing:
             raise RuntimeError("load ended before every chunk landed")
         for ev in self._events[d]:
             ev.synchronize()
+        if self.verifier is not None:
+            self.verifier.settle(d)
 
     def finish(self) -> None:
         """Wait for everything; on error, make sure no copy is still writing before raising."""
@@ -248,6 +273,8 @@ class Landing:
         self._drain()
         self.progress.close()
         try:
+            if self.verifier is not None:
+                self.verifier.settle()   # verify_on="landed" on a GPU: the digests queued there
             self._check_unchanged()
         except BaseException:
             self.dests.release()   # a mixed-version load hands nothing back, nor keeps it alive
@@ -285,7 +312,7 @@ def _plan(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, verify: 
     """The load plan; with ``verify``, chunks cut on checksum blocks and a Verifier to check them."""
     if not verify:
         return plan_load(sels, s.chunk_bytes), s, None
-    verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels])
+    verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels], on=s.verify_on)
     s = verifier.settings(s)
     return plan_load(sels, s.chunk_bytes, granule=verifier.granule), s, verifier
 

@@ -436,3 +436,96 @@ def test_bigger_blocks_grow_the_chunk_and_keep_staging_bounded(chunk, block, thr
     assert got.chunk_bytes == block
     assert got.n_slots >= 1 and got.staging_bytes <= max(1 << 30, s.staging_bytes)
     assert got.n_slots >= min(2 * threads, (1 << 30) // block)
+
+
+# ---------------------------------------------------------------- verify_on="landed"
+
+LANDED = dict(verify_on="landed", **SMALL)
+
+
+@pytest.mark.parametrize("name, within", [(None, 0), ("big", 5 * BLOCK + 17), ("big", 39_999), ("small", 13),
+                                          ("strided", 100)])
+def test_landed_verification_returns_the_data_or_names_the_damage(saved, name, within):
+    """verify_on="landed" hashes each tensor whole once it is in (xxh3-64; crc32c keeps hashing
+    as chunks are read): same data, same errors as the default."""
+    if name is not None:
+        flip(saved, data_offset(saved, name, within))
+        with pytest.raises(fs.ChecksumError) as ei:
+            fs.load_file(saved, verify=True, threads=3, **LANDED)
+        assert ei.value.tensor == name and ei.value.path == os.fspath(saved)
+        return
+    out = fs.load_file(saved, verify=True, threads=3, **LANDED)
+    for k, x in tensors().items():
+        np.testing.assert_array_equal(out[k], x)
+
+
+def test_landed_verification_hashes_each_tensor_once_after_it_landed(tmp_path, monkeypatch):
+    p = tmp_path / "m.safetensors"
+    fs.save_file(tensors(), p, checksum="xxh3-64", checksum_block=BLOCK, **SMALL)
+    real = integrity.algorithm("xxh3-64")
+    data_calls, streamed = [], []
+
+    def fn(data):
+        data_calls.append(len(data))
+        return real.fn(data)
+
+    def new():
+        streamed.append(True)
+        return real.new()
+    monkeypatch.setitem(integrity._algorithms, "xxh3-64", integrity.Algorithm("xxh3-64", 8, fn, new, real.final))
+    out = fs.load_file(p, verify=True, threads=4, **LANDED)
+    assert not streamed                                  # nothing hashed piece by piece on the way in
+    sizes = {k: v.nbytes for k, v in out.items()}
+    blocks = [min(BLOCK, n - o) for n in sizes.values() for o in range(0, n, BLOCK)]
+    n_nonempty = sum(1 for n in sizes.values() if n)
+    # every block once, plus each tensor's digest over its block digests (8 bytes each; an
+    # empty tensor's digest is the hash of no bytes)
+    assert sorted(data_calls) == sorted(blocks + [8 * -(-n // BLOCK) for n in sizes.values()])
+    assert len(data_calls) == len(blocks) + len(sizes) and n_nonempty < len(sizes)
+
+
+def test_landed_verification_in_streams_and_background(saved):
+    flip(saved, data_offset(saved, "exact", 100))
+    got = []
+    with fs.safe_open(saved, verify=True, threads=1, **LANDED) as f:
+        with pytest.raises(fs.ChecksumError, match="'exact'"):
+            for name, _ in f.tensors():
+                got.append(name)
+    assert "exact" not in got
+    with pytest.raises(fs.ChecksumError, match="'exact'"):
+        fs.load_file(saved, verify=True, background=True, **LANDED).result()
+
+
+def test_verify_on_is_validated():
+    with pytest.raises(ValueError, match="verify_on"):
+        fs.load_file("nowhere.safetensors", verify=True, verify_on="gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["cupy", "pt"])
+def test_gpu_landed_verification_hashes_on_the_device(tmp_path, framework):
+    """verify_on="landed" to a GPU: block digests by the device_digest kernel, short last blocks
+    on the host; corruption anywhere is named; an unaligned destination falls back to the host."""
+    cp = _cuda_ok()
+    if framework == "pt":
+        torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    t = {"a": rng.standard_normal(50_000).astype(np.float32), "b": rng.integers(0, 9, 4099, dtype=np.int16),
+         "c": np.arange(30, dtype=np.int8), "d": rng.standard_normal((64, 129)).astype(np.float16)}
+    p = tmp_path / "g.safetensors"
+    fs.save_file(t, p, checksum="xxh3-64", checksum_block=BLOCK)
+    out = fs.load_file(p, device="cuda:0", framework=framework, verify=True, verify_on="landed", threads=3, **SMALL)
+    for k, x in t.items():
+        got = cp.asnumpy(out[k]) if framework == "cupy" else out[k].cpu().numpy()
+        np.testing.assert_array_equal(got, x)
+    if framework == "cupy":   # a destination at an odd address: hashed from a host copy
+        big = cp.zeros(4099 + 1, cp.int16)
+        store = {"b": big[1:]}
+        fs.load_into(store, p, strict=False, verify=True, verify_on="landed", names=["b"])
+        np.testing.assert_array_equal(cp.asnumpy(store["b"]), t["b"])
+    for name, within in (("a", 3 * BLOCK + 5), ("a", 199_999), ("b", 8197), ("c", 3)):
+        q = tmp_path / f"bad-{name}-{within}.safetensors"
+        q.write_bytes(p.read_bytes())
+        flip(q, data_offset(q, name, within))
+        with pytest.raises(fs.ChecksumError, match=repr(name)):
+            fs.load_file(q, device="cuda:0", framework=framework, verify=True, verify_on="landed", **SMALL)

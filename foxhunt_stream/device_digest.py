@@ -1,0 +1,225 @@
+"""Checksum blocks hashed where the bytes already are: xxh3-64 block digests on the GPU.
+
+Why: on the H200 machine ``verify=True`` hashing on the host cost +29-41% of a hot load
+(benchmarks/RESULTS.md, session 2): the host's memory bandwidth is what the page-cache reads
+already use up, and hashing is one more read of every byte. The GPU's memory has bandwidth to
+spare, so the landed bytes can be hashed there instead, block by block, many blocks at once.
+
+The digest is XXH3-64 with seed 0 and the default secret (the same value python-xxhash's
+``xxh3_64_intdigest`` gives), written from the algorithm's specification for inputs longer than
+240 bytes; shorter blocks (a tensor's last block can be any size) are hashed on the host. Two
+implementations of the same steps: ``xxh3_64_long`` (numpy, vectorized over blocks: the
+reference, checked against python-xxhash in the tests) and a CUDA kernel (``block_digests``),
+checked against the reference on the GPU machine.
+
+Used by ``load_file(..., verify=True, verify_on="landed")`` (integrity.Verifier.landed): each
+GPU tensor is hashed by one launch once its last chunk is in. Status: written and checked on the
+host (the numpy reference and a step-by-step mirror of the kernel against python-xxhash); the
+kernel itself has NOT yet run on a GPU: tests/test_device_digest.py and test_integrity.py's GPU
+tests are waiting for one, so verify_on="read" stays the default.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SECRET = bytes((
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
+    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
+    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
+    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
+    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
+    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
+    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+))
+P32_1, P32_2, P32_3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
+P64_1, P64_2, P64_3, P64_4, P64_5 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                                      0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5)
+MIX = 0x165667919E3779F9
+INIT_ACC = (P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1)
+STRIPE = 64                              # bytes per stripe: 8 lanes of 8 bytes
+STRIPES_PER_BLOCK = (len(SECRET) - STRIPE) // 8   # 16: the secret advances 8 bytes per stripe
+BLOCK = STRIPE * STRIPES_PER_BLOCK       # 1024 bytes between scrambles
+MIN_LONG = 241                           # shorter inputs take the short-input paths (host only)
+
+_KEYS = np.frombuffer(SECRET, "<u8", offset=0, count=len(SECRET) // 8)
+
+
+def _secret_words(offset: int) -> np.ndarray:
+    """The 8 little-endian 64-bit words of the secret starting at byte ``offset`` (any offset)."""
+    return np.frombuffer(SECRET[offset:offset + 64], "<u8").astype(np.uint64)
+
+
+def _mul_fold64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Low 64 bits XOR high 64 bits of the 128-bit products ``a * b`` (elementwise)."""
+    m32 = np.uint64(0xFFFFFFFF)
+    s32 = np.uint64(32)
+    a_lo, a_hi, b_lo, b_hi = a & m32, a >> s32, b & m32, b >> s32
+    ll, lh, hl, hh = a_lo * b_lo, a_lo * b_hi, a_hi * b_lo, a_hi * b_hi
+    cross = (ll >> s32) + (lh & m32) + hl          # < 3 * 2**32: no overflow
+    lo = (cross << s32) | (ll & m32)
+    hi = hh + (lh >> s32) + (cross >> s32)
+    return lo ^ hi
+
+
+def _accumulate(acc: np.ndarray, data: np.ndarray, keys: np.ndarray) -> None:
+    """One stripe for every block: ``data`` [n, 8] words, ``keys`` [8] words."""
+    dk = data ^ keys
+    acc += data[:, [1, 0, 3, 2, 5, 4, 7, 6]]        # lane i gets the word of lane i ^ 1
+    acc += (dk & np.uint64(0xFFFFFFFF)) * (dk >> np.uint64(32))
+
+
+def xxh3_64_long(blocks: np.ndarray) -> np.ndarray:
+    """XXH3-64 (seed 0) of each row of ``blocks`` (uint8, [n, length], length >= 241): a
+    uint64 array of n digests. Vectorized over rows; slow per byte (a reference, not a hasher)."""
+    n, length = blocks.shape
+    if length < MIN_LONG:
+        raise ValueError(f"xxh3_64_long needs rows of at least {MIN_LONG} bytes, got {length}")
+    words = np.ascontiguousarray(blocks).view("<u8") if length % 8 == 0 else None
+    with np.errstate(over="ignore"):
+        acc = np.tile(np.array(INIT_ACC, np.uint64), (n, 1))
+
+        def stripe(pos: int) -> np.ndarray:
+            if words is not None and pos % 8 == 0:
+                return words[:, pos // 8:pos // 8 + 8].astype(np.uint64)
+            return np.ascontiguousarray(blocks[:, pos:pos + STRIPE]).view("<u8").astype(np.uint64)
+
+        n_blocks = (length - 1) // BLOCK
+        scramble_keys = _secret_words(len(SECRET) - STRIPE)
+        for b in range(n_blocks):
+            for s in range(STRIPES_PER_BLOCK):
+                _accumulate(acc, stripe(b * BLOCK + s * STRIPE), _secret_words(s * 8))
+            acc ^= acc >> np.uint64(47)
+            acc ^= scramble_keys
+            acc *= np.uint64(P32_1)
+        last_stripes = ((length - 1) - n_blocks * BLOCK) // STRIPE
+        for s in range(last_stripes):
+            _accumulate(acc, stripe(n_blocks * BLOCK + s * STRIPE), _secret_words(s * 8))
+        _accumulate(acc, stripe(length - STRIPE), _secret_words(len(SECRET) - STRIPE - 7))
+        merge = _secret_words(11)
+        h = np.full(n, np.uint64((length * P64_1) % (1 << 64)), np.uint64)
+        for i in range(4):
+            h += _mul_fold64(acc[:, 2 * i] ^ merge[2 * i], acc[:, 2 * i + 1] ^ merge[2 * i + 1])
+        h ^= h >> np.uint64(37)
+        h *= np.uint64(MIX)
+        h ^= h >> np.uint64(32)
+    return h
+
+
+# ---------------------------------------------------------------- the CUDA kernel
+
+def kernel_keys() -> np.ndarray:
+    """The 40 secret words the kernel uses: 24 at byte offsets 8k (stripes and scramble),
+    8 at 121 + 8j (the last stripe), 8 at 11 + 8j (the merge): unaligned ones precomputed here."""
+    aligned = np.frombuffer(SECRET, "<u8")[:24]
+    return np.concatenate([aligned, _secret_words(len(SECRET) - STRIPE - 7), _secret_words(11)]).astype(np.uint64)
+
+
+# One thread per block, all 8 accumulators in registers: no cross-thread traffic, so blocks of
+# any mix of lengths share a launch. A thread's loop is sequential (xxh3 is, within a block);
+# the parallelism is across blocks (2000 for a 16 GB model in 8 MiB blocks).
+KERNEL = r"""
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+__device__ __forceinline__ u64 load_le(const unsigned char* p) {
+    u64 v = 0;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) v |= (u64)p[i] << (8 * i);
+    return v;
+}
+
+__device__ __forceinline__ void stripe(u64* acc, const u64* w, const u64* k) {
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const u64 v = w[j];
+        const u64 dk = v ^ k[j];
+        acc[j ^ 1] += v;
+        acc[j] += (u64)(u32)dk * (dk >> 32);
+    }
+}
+
+// data: 8-byte aligned; block: a multiple of 8; keys: kernel_keys() (40 words).
+// out[b] = XXH3-64 of bytes [b * block, min((b + 1) * block, total)), or 0 if shorter than 241.
+extern "C" __global__ void xxh3_blocks(const unsigned char* data, u64 total, u64 block,
+                                       const u64* keys, u64 count, u64* out) {
+    const u64 b = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    if (b >= count) return;
+    const u64 start = b * block;
+    const u64 len = min(block, total - start);
+    if (len < 241) { out[b] = 0; return; }
+    const u64* w = (const u64*)(data + start);
+    u64 acc[8] = {0xC2B2AE3DULL, 0x9E3779B185EBCA87ULL, 0xC2B2AE3D27D4EB4FULL, 0x165667B19E3779F9ULL,
+                  0x85EBCA77C2B2AE63ULL, 0x85EBCA77ULL, 0x27D4EB2F165667C5ULL, 0x9E3779B1ULL};
+    const u64 n_blocks = (len - 1) / 1024;
+    for (u64 bl = 0; bl < n_blocks; ++bl) {
+        const u64* q = w + bl * 128;
+        #pragma unroll 4
+        for (int s = 0; s < 16; ++s) stripe(acc, q + s * 8, keys + s);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            u64 a = acc[j];
+            a ^= a >> 47;
+            a ^= keys[16 + j];
+            acc[j] = a * 0x9E3779B1ULL;
+        }
+    }
+    const u64 rest = ((len - 1) - n_blocks * 1024) / 64;
+    for (u64 s = 0; s < rest; ++s) stripe(acc, w + n_blocks * 128 + s * 8, keys + s);
+    u64 last[8];
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) last[j] = load_le(data + start + len - 64 + 8 * j);   // may be unaligned
+    stripe(acc, last, keys + 24);
+    u64 h = len * 0x9E3779B185EBCA87ULL;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u64 a = acc[2 * i] ^ keys[32 + 2 * i], c = acc[2 * i + 1] ^ keys[33 + 2 * i];
+        h += (a * c) ^ __umul64hi(a, c);
+    }
+    h ^= h >> 37;
+    h *= 0x165667919E3779F9ULL;
+    h ^= h >> 32;
+    out[b] = h;
+}
+"""
+
+_kernels: dict[int, tuple] = {}
+
+
+def _kernel(device: int):
+    """The compiled kernel and its keys on ``device`` (uploaded once, synchronously)."""
+    import cupy as cp
+    k = _kernels.get(device)
+    if k is None:
+        with cp.cuda.Device(device):
+            keys = cp.asarray(kernel_keys())
+            cp.cuda.Device(device).synchronize()
+            k = _kernels[device] = (cp.RawKernel(KERNEL, "xxh3_blocks"), keys)
+    return k
+
+
+def block_digests(ptr: int, nbytes: int, block: int, device: int = 0, stream=None):
+    """XXH3-64 of each ``block``-byte block of the ``nbytes`` at device address ``ptr`` (on
+    ``device``), as a cupy uint64 array; blocks shorter than 241 bytes give 0 (hash them on the
+    host). Queued on ``stream`` (cupy's current stream if None); nothing is synchronized."""
+    import contextlib
+
+    import cupy as cp
+    if ptr % 8 or block % 8:
+        raise ValueError("block_digests needs an 8-byte aligned address and block size")
+    count = -(-nbytes // block)
+    kern, keys = _kernel(device)
+    with cp.cuda.Device(device), (stream if stream is not None else contextlib.nullcontext()):
+        out = cp.empty(count, cp.uint64)
+        if count:
+            threads = 64
+            mem = cp.cuda.UnownedMemory(ptr, nbytes, None, device)
+            data = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+            kern(((count + threads - 1) // threads,), (threads,),
+                 (data, cp.uint64(nbytes), cp.uint64(block), keys, cp.uint64(count), out))
+    return out

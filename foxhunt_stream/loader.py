@@ -170,6 +170,9 @@ def _reopen_if_replaced(fn):
     return wrapper
 
 
+VERIFY_STREAMS = 16   # verify_on="landed" on a GPU: hashing kernels of up to this many tensors at once
+
+
 class Landing:
     """A load plan in flight: per-destination readiness, cancellation, one wait for all."""
 
@@ -185,7 +188,7 @@ class Landing:
         self._remaining = list(plan.chunks_per_dest)
         self._events: list[list] = [[] for _ in plan.destinations]
         self._ready = [threading.Event() for _ in plan.destinations]
-        self._verify_streams: dict[Device, Any] = {}
+        self._verify_streams: dict[Device, list] = {}
         for d, n in enumerate(self._remaining):
             if n == 0:
                 self._ready[d].set()
@@ -238,9 +241,13 @@ class Landing:
         cp = cupy()
         with cp.cuda.Device(buf.device.index):
             with self._lock:
-                stream = self._verify_streams.get(buf.device)
-                if stream is None:
-                    stream = self._verify_streams[buf.device] = cp.cuda.Stream(non_blocking=True)
+                # a kernel hashes one tensor's blocks in parallel but each block sequentially
+                # (~ms): tensors go round-robin over several streams so their kernels overlap
+                streams = self._verify_streams.get(buf.device)
+                if streams is None:
+                    streams = self._verify_streams[buf.device] = [cp.cuda.Stream(non_blocking=True)
+                                                                  for _ in range(VERIFY_STREAMS)]
+                stream = streams[d % VERIFY_STREAMS]
                 events = list(self._events[d])
             for ev in events:   # the hash runs after every copy of this destination
                 stream.wait_event(ev)

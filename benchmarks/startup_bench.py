@@ -13,6 +13,7 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
     E   F + to_empty on the device + a forward with uninitialised weights (no load at all)
     1   AutoModelForCausalLM.from_pretrained(dir, dtype=bfloat16, device_map=device)
     2   meta model + to_empty + fs.torch.load_model (fs.warmup timed separately)
+    2w  2, with fs.warmup(DEV, background=True) right after importing foxhunt_stream
     2p  2, with fs.prefetch(dir) as the very first statement, before torch is imported
     3   meta model + safetensors load_file(device=...) per shard + load_state_dict(assign=True)
 
@@ -41,12 +42,13 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2p", "3")
+VARIANTS = ("F", "E", "1", "2", "2w", "2p", "3")
 LABELS = {
     "F": "floor (imports, CUDA, meta model)",
     "E": "empty model + forward (no weights)",
     "1": "transformers from_pretrained",
     "2": "meta + to_empty + fs.torch.load_model",
+    "2w": "2 + fs.warmup(background=True) first",
     "2p": "2 + fs.prefetch first",
     "3": "safetensors load_file + assign",
 }
@@ -187,16 +189,17 @@ T["load"] = time.time()
 forward(model)
 T["forward"] = time.time()
 """
-    elif variant in ("2", "2p"):
+    elif variant in ("2", "2w", "2p"):
         body = """
 import foxhunt_stream as fs
 import foxhunt_stream.torch
 T["import_foxhunt"] = time.time()
-model = meta_model()
+""" + ("""WARMING = fs.warmup(DEV, background=True)   # overlaps building the model
+""" if variant == "2w" else "") + """model = meta_model()
 T["meta_model"] = time.time()
 model.to_empty(device=DEV)
 T["to_empty"] = time.time()
-WARMUP = fs.warmup(DEV)
+""" + ("WARMUP = WARMING.result()" if variant == "2w" else "WARMUP = fs.warmup(DEV)") + """
 T["fs_warmup"] = time.time()
 missing, unexpected = fs.torch.load_model(model, DIR)
 assert not missing and not unexpected, (missing, unexpected)

@@ -256,18 +256,48 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method)
 
 
-def warmup(device="cuda:0", **options) -> dict[str, float]:
+class WarmupHandle:
+    """A warmup running on a background thread (``warmup(..., background=True)``)."""
+
+    def __init__(self, dev, s: _settings.Settings) -> None:
+        self._out: dict[str, float] | None = None
+
+        def work(worker: int, _item) -> None:
+            self._out = _warm(dev, s)
+        self._job = Job([None], work, 1, name="foxhunt-warmup").start()
+
+    def done(self) -> bool:
+        return self._job.done()
+
+    def result(self, timeout: float | None = None) -> dict[str, float]:
+        """The seconds each step took; re-raises the warmup's error (no GPU, no cupy...)."""
+        self._job.wait(timeout)
+        return dict(self._out or {})
+
+
+def warmup(device="cuda:0", *, background: bool = False, **options) -> dict[str, float] | WarmupHandle:
     """Pay a load's first-use costs now; returns the seconds each step took.
 
     For a GPU: importing cupy, creating the CUDA context, allocating the pinned staging pool
     (sized by ``chunk_bytes``/``staging_bytes``, and reused by every later load and save with
     the same settings) and one stream per worker thread. For ``"cpu"``: the host scratch pool.
+    With ``background=True`` it runs on a thread and a WarmupHandle is returned at once, so the
+    work overlaps whatever the caller does next (building the model); a load that starts before
+    it is done waits for the pinned pool instead of allocating a second one.
     """
-    from .device import context, cupy, parse_device, check_device
+    from .device import parse_device
+
+    s = _settings.merge(**options)   # in the caller: its settings overrides apply
+    dev = parse_device(device)
+    if background:
+        return WarmupHandle(dev, s)
+    return _warm(dev, s)
+
+
+def _warm(dev, s: _settings.Settings) -> dict[str, float]:
+    from .device import check_device, context, cupy
     from .target import CudaTarget, HostTarget
 
-    s = _settings.merge(**options)
-    dev = parse_device(device)
     t = time.perf_counter()
     out: dict[str, float] = {}
 
@@ -287,7 +317,7 @@ def warmup(device="cuda:0", **options) -> dict[str, float]:
     with cp.cuda.Device(dev.index):
         cp.cuda.runtime.free(0)   # forces the (primary) context into existence
     lap("context")
-    CudaTarget(dev.index, s.chunk_bytes, s.n_slots).pool()
+    CudaTarget(dev.index, s.chunk_bytes, s.n_slots, s.threads).pool()
     lap("pinned_pool")
     ctx = context(dev.index)
     for w in range(s.threads):

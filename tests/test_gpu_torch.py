@@ -188,6 +188,18 @@ def test_torch_load_file_on_the_gpu(tmp_path):
         assert out[k].device == torch.device(DEV) and np.array_equal(out[k].cpu().numpy(), t[k])
 
 
+def test_background_warmup_then_load_shares_the_pool(tmp_path):
+    h = fs.warmup(DEV, background=True, threads=3)
+    times = h.result(timeout=120)
+    assert set(times) == {"import_cupy", "context", "pinned_pool", "streams"}
+    pool = fs_device.context(0)._pool
+    x = np.arange(100_000, dtype=np.float32)
+    fs.save_file({"x": x}, tmp_path / "w.safetensors")
+    out = fs.load_file(tmp_path / "w.safetensors", device=DEV, framework="pt", threads=3)
+    assert np.array_equal(out["x"].cpu().numpy(), x)
+    assert fs_device.context(0)._pool is pool   # the warmed pool was used, not a second one
+
+
 def test_warmup_creates_pool_and_streams():
     times = fs.warmup(DEV, threads=3)
     assert set(times) == {"import_cupy", "context", "pinned_pool", "streams"}

@@ -519,6 +519,23 @@ def test_warmup_cpu_allocates_the_host_pool():
     assert staging.pool_cache()
 
 
+def test_background_warmup_returns_a_handle_and_uses_the_callers_settings(monkeypatch):
+    from foxhunt_stream import staging
+    staging.pool_cache().clear()
+    with fs.settings.override(chunk_bytes="64KiB", threads=2):   # contextvars do not follow threads
+        h = fs.warmup("cpu", background=True)
+    assert isinstance(h, fs.WarmupHandle)
+    times = h.result(timeout=30)
+    assert set(times) == {"host_pool"} and h.done()
+    assert any(slot_bytes == (64 << 10) + 2 * 4096 for slot_bytes, _ in staging.pool_cache())
+
+
+def test_background_warmup_error_surfaces_at_result():
+    h = fs.warmup("cuda:99", background=True)
+    with pytest.raises(fs.DeviceError):
+        h.result(timeout=30)
+
+
 # ---------------------------------------------------------------- import hygiene
 
 def test_import_is_light_and_prefetch_needs_no_torch(tmp_path):

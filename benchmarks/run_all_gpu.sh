@@ -16,6 +16,6 @@ rm -f /dev/shm/tpb.single.safetensors
 timeout 60 python3 benchmarks/probe_gpu.py /dev/shm/tpb --json "$OUT/probe.json" > "$OUT/probe.log" 2>&1
 grep -v '"case"' "$OUT/probe.log" | tail -5
 if [ "${STARTUP_VARIANTS:-F,1,2,2w}" != none ]; then
-  timeout ${STARTUP_TIMEOUT:-120} python3 benchmarks/startup_bench.py /dev/shm/startup --variants ${STARTUP_VARIANTS:-F,1,2,2w} \
+  timeout ${STARTUP_TIMEOUT:-220} python3 benchmarks/startup_bench.py /dev/shm/startup --variants ${STARTUP_VARIANTS:-F,1,2,2w} \
     --repeat 1 --timeout 60 --json "$OUT/startup.json" 2>&1 | tail -12
 fi

@@ -89,9 +89,10 @@ class HostTarget:
 class _Ring:
     """One worker's pinned slots, used in turn; each slot's event marks its last copy."""
 
-    __slots__ = ("slots", "ptrs", "events", "pending", "next", "stream_ptr", "stream")
+    __slots__ = ("pool", "slots", "ptrs", "events", "pending", "next", "stream_ptr", "stream")
 
-    def __init__(self, slots, stream, events) -> None:
+    def __init__(self, pool, slots, stream, events) -> None:
+        self.pool = pool    # the pool the slots go back to (a settings change may replace the device's)
         self.slots = slots
         self.ptrs = [slot.ptr for slot in slots]
         self.events = events
@@ -142,7 +143,7 @@ class CudaTarget:
             if slot.cuda_event is None:
                 slot.cuda_event = cp.cuda.Event(block=False, disable_timing=True)
             events.append(slot.cuda_event)
-        ring = self._rings[worker] = _Ring(slots, self.ctx.stream(worker), events)
+        ring = self._rings[worker] = _Ring(pool, slots, self.ctx.stream(worker), events)
         return ring
 
     def release_worker(self, worker: int) -> None:
@@ -151,9 +152,8 @@ class CudaTarget:
         ring = self._rings.pop(worker, None)
         if ring is None:
             return
-        pool = self.pool()
         for slot, ev, pending in zip(ring.slots, ring.events, ring.pending):
-            pool.release(slot, ev if pending else None)
+            ring.pool.release(slot, ev if pending else None)
 
     def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None):
         rt = self._rt

@@ -1,0 +1,96 @@
+"""A stand-in for cupy that runs on the host: "device" memory is host memory and the runtime's
+copies are memmoves, so the GPU target's bookkeeping (pinned rings, events, 2-D copies) can be
+tested on a machine without a GPU. Imported only by subprocesses of tests/test_cuda_target_fake.py."""
+
+import ctypes
+
+import numpy as np
+
+
+class _Runtime:
+    memcpyHostToDevice, memcpyDeviceToHost, hostAllocPortable = 1, 2, 1
+    copies = 0
+    records = 0
+
+    @staticmethod
+    def memcpyAsync(dst, src, n, kind, stream):
+        ctypes.memmove(dst, src, n)
+        _Runtime.copies += 1
+
+    @staticmethod
+    def memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream):
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+        _Runtime.copies += 1
+
+    @staticmethod
+    def eventRecord(event, stream):
+        _Runtime.records += 1
+
+    @staticmethod
+    def eventSynchronize(event):
+        pass
+
+    @staticmethod
+    def setDevice(i):
+        pass
+
+    @staticmethod
+    def getDeviceCount():
+        return 1
+
+
+class Device:
+    def __init__(self, i=0):
+        self.id = i
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+class Stream:
+    _n = 0
+
+    def __init__(self, non_blocking=False):
+        Stream._n += 1
+        self.ptr = Stream._n
+
+    def synchronize(self):
+        pass
+
+
+class Event:
+    _n = 0
+
+    def __init__(self, block=False, disable_timing=True):
+        Event._n += 1
+        self.ptr = 1000 + Event._n
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class PinnedMemory:
+    def __init__(self, n, flags=0):
+        self.n = n
+
+
+class PinnedMemoryPointer(bytearray):
+    def __init__(self, mem, offset):
+        super().__init__(mem.n)
+
+
+class _Cuda:
+    runtime = _Runtime
+    Device, Stream, Event, PinnedMemory, PinnedMemoryPointer = Device, Stream, Event, PinnedMemory, PinnedMemoryPointer
+
+
+cuda = _Cuda()
+ndarray = np.ndarray
+__version__ = "fake"

@@ -1,0 +1,63 @@
+"""The GPU target's bookkeeping on a host-only stand-in for cupy (tests/fakecuda): every chunk
+lands where it belongs (contiguous and 2-D runs), each worker's ring comes from the device pool
+and goes back to it whole, and a settings change that replaces the pool mid-load does not mix
+slots of two sizes. Runs in a subprocess so the stand-in never shadows a real cupy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAKE = os.path.join(REPO, "tests", "fakecuda")
+
+SCRIPT = textwrap.dedent("""
+    import sys, os
+    import numpy as np
+    import cupy
+    assert cupy.__version__ == "fake"
+    from foxhunt_stream import device, plan, source, target
+    from foxhunt_stream.frameworks import Buffer
+
+    path = sys.argv[1]
+    data = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
+    data.tofile(path)
+    src = source.FileSource(path)
+    dev_mem = np.zeros(1 << 16, np.uint8)              # the "device" buffer
+    buf = Buffer(device.Device("cuda", 0), dev_mem.nbytes, None, dev_mem.ctypes.data)
+
+    t = target.CudaTarget(0, 4096, 8, threads=2)       # 8 slots, 4 per worker
+    assert t.per_worker == 4
+    runs = [plan.Run(src=o, pitch=4096, width=4096, height=1, dst=o) for o in range(0, 32768, 4096)]
+    runs.append(plan.Run(src=32768, pitch=512, width=128, height=8, dst=40000))   # 8 rows of 128 of 512
+    for i, run in enumerate(runs):
+        t.land(i % 2, src, run, buf)
+    assert t.pool().free_count() == 0                 # both rings out
+    t.release_worker(0); t.release_worker(1); t.release_worker(7)
+    assert t.pool().free_count() == 8                 # all back, none twice
+    assert np.array_equal(dev_mem[:32768], data[:32768])
+    want = np.concatenate([data[32768 + r * 512:32768 + r * 512 + 128] for r in range(8)])
+    assert np.array_equal(dev_mem[40000:40000 + 1024], want)
+    assert cupy.cuda.runtime.copies == len(runs) and cupy.cuda.runtime.records == len(runs)
+
+    # a load with other settings replaces the device pool while a ring is out
+    t.land(0, src, runs[0], buf)
+    old = t.pool()
+    t2 = target.CudaTarget(0, 8192, 4, threads=1)
+    t2.land(0, src, plan.Run(src=0, pitch=8192, width=8192, height=1, dst=0), buf)
+    assert t2.pool() is not old
+    t.release_worker(0); t2.release_worker(0)
+    assert old.free_count() == 8 and t2.pool().free_count() == 4
+    assert all(s.array.nbytes == old.slot_bytes for s in list(old._free.queue))
+    print("ok")
+""")
+
+
+def test_cuda_target_rings_on_a_host_stand_in(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([FAKE, REPO])}
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "f.bin")], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("ok")

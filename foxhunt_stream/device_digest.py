@@ -21,6 +21,8 @@ tests are waiting for one, so verify_on="read" stays the default.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 SECRET = bytes((
@@ -151,7 +153,7 @@ extern "C" __global__ void xxh3_blocks(const unsigned char* data, u64 total, u64
     const u64 b = blockIdx.x * (u64)blockDim.x + threadIdx.x;
     if (b >= count) return;
     const u64 start = b * block;
-    const u64 len = min(block, total - start);
+    const u64 len = block < total - start ? block : total - start;
     if (len < 241) { out[b] = 0; return; }
     const u64* w = (const u64*)(data + start);
     u64 acc[8] = {0xC2B2AE3DULL, 0x9E3779B185EBCA87ULL, 0xC2B2AE3D27D4EB4FULL, 0x165667B19E3779F9ULL,
@@ -189,17 +191,24 @@ extern "C" __global__ void xxh3_blocks(const unsigned char* data, u64 total, u64
 """
 
 _kernels: dict[int, tuple] = {}
+_kernels_lock = threading.Lock()
 
 
 def _kernel(device: int):
-    """The compiled kernel and its keys on ``device`` (uploaded once, synchronously)."""
+    """The compiled kernel and its keys on ``device`` (made once per process and device; the
+    first call compiles with NVRTC, ``warmup`` is the place to pay for that)."""
     import cupy as cp
     k = _kernels.get(device)
     if k is None:
-        with cp.cuda.Device(device):
-            keys = cp.asarray(kernel_keys())
-            cp.cuda.Device(device).synchronize()
-            k = _kernels[device] = (cp.RawKernel(KERNEL, "xxh3_blocks"), keys)
+        with _kernels_lock:
+            k = _kernels.get(device)
+            if k is None:
+                with cp.cuda.Device(device):
+                    keys = cp.asarray(kernel_keys())
+                    cp.cuda.Stream.null.synchronize()   # the upload, not the whole device
+                    kern = cp.RawKernel(KERNEL, "xxh3_blocks")
+                    kern.compile()
+                    k = _kernels[device] = (kern, keys)
     return k
 
 

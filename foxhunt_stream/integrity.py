@@ -288,8 +288,10 @@ class Verifier:
         self._checks = checks
         # "landed": xxh3-64 tensors are hashed once whole, where they landed (landed_digests)
         self._landed = [on == "landed" and c is not None and c[2].algorithm == "xxh3-64" for c in checks]
-        self._pending: dict[int, tuple] = {}   # dest -> (device digests, buffer), not yet checked
+        self._pending: dict[int, tuple] = {}   # dest -> (device digests, buffer, stream), not yet checked
         self._pending_lock = threading.Lock()
+        self._settle_lock = threading.Lock()   # one settle at a time: a waiter sees a concurrent one's verdict
+        self._failed: dict[int, BaseException] = {}
         self._hashers = [None if c is None else TensorHasher(algorithm(c[2].algorithm), c[2].block_bytes, size)
                          for c, size in zip(checks, sizes)]
         self.granule = max((c[2].block_bytes for c in checks if c is not None), default=1)
@@ -379,24 +381,40 @@ class Verifier:
         """Check what ``landed`` queued on a GPU (every destination, or just ``dest``): waits for
         the digests, hashes short last blocks (and unaligned tensors) on the host, raises
         ChecksumError on a mismatch."""
+        with self._settle_lock:
+            self._settle(dest)
+            if dest is not None and dest in self._failed:
+                raise self._failed[dest]
+
+    def _settle(self, dest: int | None) -> None:
         with self._pending_lock:
             todo = ([dest] if dest in self._pending else []) if dest is not None else list(self._pending)
             items = [(d, self._pending.pop(d)) for d in todo]
-        for d, (out, buf, stream) in items:
-            h = self._hashers[d]
-            if stream is not None:
-                stream.synchronize()
-            if out is None:
-                if h.add(0, _device_bytes(buf, 0, h.size)):
-                    self._check(d)
-                continue
-            from .device_digest import MIN_LONG
-            digests = [int(x) for x in out.get()]
-            last = (len(digests) - 1) * h.block
-            if h.size - last < MIN_LONG:   # the kernel leaves short blocks to the host
-                digests[-1] = h.algo.fn(_device_bytes(buf, last, h.size - last))
-            if h.add_digests(0, digests) and digests:
+        for i, (d, (out, buf, stream)) in enumerate(items):
+            try:
+                self._settle_one(d, out, buf, stream)
+            except BaseException as e:
+                self._failed[d] = e
+                with self._pending_lock:   # the rest stays pending for the caller's cleanup
+                    for d2, v in items[i + 1:]:
+                        self._pending[d2] = v
+                raise
+
+    def _settle_one(self, d: int, out, buf, stream) -> None:
+        h = self._hashers[d]
+        if stream is not None:
+            stream.synchronize()
+        if out is None:
+            if h.add(0, _device_bytes(buf, 0, h.size)):
                 self._check(d)
+            return
+        from .device_digest import MIN_LONG
+        digests = [int(x) for x in out.get()]
+        last = (len(digests) - 1) * h.block
+        if h.size - last < MIN_LONG:   # the kernel leaves short blocks to the host
+            digests[-1] = h.algo.fn(_device_bytes(buf, last, h.size - last))
+        if h.add_digests(0, digests) and digests:
+            self._check(d)
 
     def _check(self, dest: int) -> None:
         path, name, sums = self._checks[dest]

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 import warnings
+from dataclasses import replace
 from typing import Any, Iterator, Mapping, MutableMapping, Sequence
 
 from . import settings as _settings
@@ -194,6 +195,10 @@ class Landing:
                 self._ready[d].set()
         # a host worker holds one scratch slot at a time: more than `threads` is waste (and
         # staging/chunk of them, e.g. 131072 with 4 KiB chunks, took seconds to allocate)
+        if any(dev.is_cuda for dev in dests.devices):
+            # every GPU worker holds a ring of at least one pinned slot until it runs out of work:
+            # more workers than slots would leave some waiting for a slot until the others finish
+            s = replace(s, threads=min(s.threads, s.n_slots))
         self._targets: dict[Device, Any] = {
             dev: (CudaTarget(dev.index, s.chunk_bytes, s.n_slots, s.threads) if dev.is_cuda
                   else HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)))
@@ -305,6 +310,9 @@ class Landing:
         for dev in self._targets:
             if dev.is_cuda:
                 context(dev.index).synchronize()
+        for streams in self._verify_streams.values():   # hashing kernels still reading destinations
+            for stream in streams:
+                stream.synchronize()
 
     def cancel(self) -> None:
         self.job.cancel()

@@ -133,17 +133,22 @@ class CudaTarget:
         pool = self.pool()
         use_device(self.index)
         slots = [pool.acquire()]
-        for _ in range(self.per_worker - 1):
-            slot = pool.try_acquire()
-            if slot is None:
-                break
-            slots.append(slot)
-        events = []
-        for slot in slots:
-            if slot.cuda_event is None:
-                slot.cuda_event = cp.cuda.Event(block=False, disable_timing=True)
-            events.append(slot.cuda_event)
-        ring = self._rings[worker] = _Ring(pool, slots, self.ctx.stream(worker), events)
+        try:
+            for _ in range(self.per_worker - 1):
+                slot = pool.try_acquire()
+                if slot is None:
+                    break
+                slots.append(slot)
+            events = []
+            for slot in slots:
+                if slot.cuda_event is None:
+                    slot.cuda_event = cp.cuda.Event(block=False, disable_timing=True)
+                events.append(slot.cuda_event)
+            ring = self._rings[worker] = _Ring(pool, slots, self.ctx.stream(worker), events)
+        except BaseException:   # nothing may keep a slot of the process-wide pool
+            for slot in slots:
+                pool.release(slot)
+            raise
         return ring
 
     def release_worker(self, worker: int) -> None:
@@ -168,6 +173,7 @@ class CudaTarget:
             ring.pending[k] = False
         slot = ring.slots[k]
         src = ring.ptrs[k]
+        ring.pending[k] = True   # from here on a copy may be in flight: the slot goes back with its event
         if run.height > 1 and source.gather(run, slot.array):    # mapped source: rows packed
             rt.memcpyAsync(buf.ptr + run.dst, src, run.nbytes, H2D, ring.stream_ptr)
         else:
@@ -182,8 +188,12 @@ class CudaTarget:
             else:
                 rt.memcpy2DAsync(buf.ptr + run.dst, run.width, src, run.pitch, run.width, run.height,
                                  H2D, ring.stream_ptr)
-        rt.eventRecord(event.ptr, ring.stream_ptr)
-        ring.pending[k] = True
+        try:
+            rt.eventRecord(event.ptr, ring.stream_ptr)
+        except BaseException:
+            ring.stream.synchronize()   # the event cannot stand for the copy: wait for it here
+            ring.pending[k] = False
+            raise
         return event
 
     def fetch(self, worker: int, src_ptr: int, nbytes: int):

@@ -51,6 +51,46 @@ SCRIPT = textwrap.dedent("""
     t.release_worker(0); t2.release_worker(0)
     assert old.free_count() == 8 and t2.pool().free_count() == 4
     assert all(s.array.nbytes == old.slot_bytes for s in list(old._free.queue))
+
+    # a failure while a ring is being built gives its slots back (the pool is process-wide)
+    t3 = target.CudaTarget(0, 8192, 4, threads=1)
+    real_event = cupy.cuda.Event
+    cupy.cuda.Event = None                               # calling it raises TypeError
+    for s in t3.pool()._free.queue:
+        s.cuda_event = None
+    try:
+        t3.land(0, src, plan.Run(src=0, pitch=8192, width=8192, height=1, dst=0), buf)
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("expected the ring to fail")
+    cupy.cuda.Event = real_event
+    assert t3.pool().free_count() == 4
+
+    # a whole Landing onto the stand-in "GPU": more threads than slots are capped, the data lands,
+    # checksums are checked on the way, every slot comes back
+    import foxhunt_stream as fs
+    from foxhunt_stream import loader, settings
+    from foxhunt_stream.checkpoint import open_checkpoint
+    rng = np.random.default_rng(1)
+    tensors = {f"t{i}": rng.standard_normal(3000 + 977 * i).astype(np.float32) for i in range(6)}
+    ck_path = path + ".safetensors"
+    fs.save_file(tensors, ck_path, checksum="xxh3-64", checksum_block=4096)
+    ck = open_checkpoint(ck_path)
+    names = sorted(tensors)
+    for verify in (False, True):
+        s = settings.merge(chunk_bytes=4096, staging_bytes=3 * 4096, threads=8)   # 3 slots, 8 threads asked
+        plan_, s2, verifier = loader._plan(ck, loader._selections(ck, names), s, verify)
+        arrays = [np.zeros(tensors[n].shape, np.float32) for n in names]
+        bufs = [Buffer(device.Device("cuda", 0), a.nbytes, None, a.ctypes.data) for a in arrays]
+        sources = loader.open_sources(ck, s2)
+        landing = loader.Landing(plan_, sources, loader.Destinations.fixed(bufs, arrays), s2, verifier=verifier)
+        landing.finish()
+        loader._close_all(sources)
+        assert len(landing.job._threads) == 3, len(landing.job._threads)
+        assert all(np.array_equal(a, tensors[n]) for a, n in zip(arrays, names))
+        pool = device.context(0)._pool
+        assert pool.free_count() == pool.n_slots
     print("ok")
 """)
 

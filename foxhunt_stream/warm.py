@@ -308,7 +308,7 @@ def _warm(dev, s: _settings.Settings) -> dict[str, float]:
         t = now
 
     if not dev.is_cuda:
-        HostTarget(s.chunk_bytes, s.n_slots).pool()
+        HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)).pool()   # the size the loader asks for
         lap("host_pool")
         return out
     cp = cupy()

@@ -212,6 +212,13 @@ def _kernel(device: int):
     return k
 
 
+def device_view(ptr: int, nbytes: int, device: int):
+    """A cupy uint8 array over ``nbytes`` of device memory at ``ptr`` (not owned, not copied)."""
+    import cupy as cp
+    mem = cp.cuda.UnownedMemory(ptr, nbytes, None, device)
+    return cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+
+
 def block_digests(ptr: int, nbytes: int, block: int, device: int = 0, stream=None):
     """XXH3-64 of each ``block``-byte block of the ``nbytes`` at device address ``ptr`` (on
     ``device``), as a cupy uint64 array; blocks shorter than 241 bytes give 0 (hash them on the
@@ -227,8 +234,7 @@ def block_digests(ptr: int, nbytes: int, block: int, device: int = 0, stream=Non
         out = cp.empty(count, cp.uint64)
         if count:
             threads = 64
-            mem = cp.cuda.UnownedMemory(ptr, nbytes, None, device)
-            data = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+            data = device_view(ptr, nbytes, device)
             kern(((count + threads - 1) // threads,), (threads,),
                  (data, cp.uint64(nbytes), cp.uint64(block), keys, cp.uint64(count), out))
     return out

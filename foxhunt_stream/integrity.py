@@ -427,9 +427,10 @@ class Verifier:
 def _device_bytes(buf, offset: int, nbytes: int) -> np.ndarray:
     """``nbytes`` of a device buffer copied to the host (short tails, unaligned tensors)."""
     import cupy as cp
+
+    from .device_digest import device_view
     with cp.cuda.Device(buf.device.index):
-        mem = cp.cuda.UnownedMemory(buf.ptr + offset, nbytes, None, buf.device.index)
-        return cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0)).get()
+        return device_view(buf.ptr + offset, nbytes, buf.device.index).get()
 
 
 # ---------------------------------------------------------------- fs.verify

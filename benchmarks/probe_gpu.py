@@ -42,7 +42,7 @@ def instrument():
 
     orig_land = ftarget.CudaTarget.land
 
-    def land(self, worker, source, run, buf, inspect=None):
+    def land(self, worker, source, run, buf, inspect=None, track=False):
         if inspect is not None:
             inner = inspect
 
@@ -56,7 +56,7 @@ def instrument():
                     inner.done()
             inspect = Timed()
         t = pc()
-        ev = orig_land(self, worker, source, run, buf, inspect)
+        ev = orig_land(self, worker, source, run, buf, inspect, track)
         EVENTS.append(("land", threading.get_ident(), t, pc(), run.nbytes))
         return ev
     ftarget.CudaTarget.land = land

@@ -179,8 +179,13 @@ class Landing:
 
     def __init__(self, plan: LoadPlan, sources: list[FileSource], dests: Destinations,
                  s: _settings.Settings, keepalive: Any = None, verifier: Verifier | None = None,
-                 progress: Progress = NO_PROGRESS) -> None:
+                 progress: Progress = NO_PROGRESS, per_dest: bool = False) -> None:
         self.plan = plan
+        # per_dest: someone waits for single destinations (tensors(), a background handle), so
+        # each GPU chunk gets an event of its own; otherwise finish() drains the streams at once
+        self.per_dest = per_dest
+        # a landed-verify kernel waits for its tensor's copies alone: those chunks need events too
+        self._track = per_dest or (verifier is not None and verifier.hashes_any_landed)
         self.progress = progress
         self.verifier = verifier
         self.dests = dests
@@ -216,7 +221,8 @@ class Landing:
     def _work(self, worker: int, chunk):
         buf = self.dests.buffer(chunk.dest)
         inspect = self.verifier.inspector(chunk.dest, chunk.run) if self.verifier is not None else None
-        return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect)
+        return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect,
+                                              track=self._track)
 
     def _worker_done(self, worker: int) -> None:
         for t in self._targets.values():
@@ -259,7 +265,9 @@ class Landing:
             self.verifier.landed(d, buf, stream)
 
     def wait_dest(self, d: int) -> None:
-        """Block until destination ``d`` has fully landed (its copies complete)."""
+        """Block until destination ``d`` has fully landed (its copies complete); needs ``per_dest``."""
+        if not self.per_dest:
+            raise RuntimeError("this landing does not track single destinations (per_dest=False)")
         while not self._ready[d].wait(0.05):
             if self.job.done():
                 break
@@ -438,7 +446,7 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
     sources = open_sources(ck, s)
     try:
         landing = Landing(plan, sources, Destinations.allocate(fw, plan, placed), s, verifier=verifier,
-                          progress=progress_bar(plan.nbytes, "load", progress))
+                          progress=progress_bar(plan.nbytes, "load", progress), per_dest=background)
     except BaseException:
         _close_all(sources)
         raise
@@ -608,11 +616,11 @@ class safe_open:
             raise KeyError(f"no tensor named {name!r}")
         return self._load([name])[0]
 
-    def _start(self, names: list[str], indices=None, progress: bool | None = False):
+    def _start(self, names: list[str], indices=None, progress: bool | None = False, per_dest: bool = False):
         self._check()
         plan, s, verifier = _plan(self._ck, _selections(self._ck, names, indices), self._s, self._verify)
         return Landing(plan, self._sources, Destinations.allocate(self._fw, plan, self._dev), s, verifier=verifier,
-                       progress=progress_bar(plan.nbytes, "load", progress))
+                       progress=progress_bar(plan.nbytes, "load", progress), per_dest=per_dest)
 
     def _load(self, names: list[str], indices=None) -> list:
         landing = self._start(names, indices)
@@ -624,7 +632,7 @@ class safe_open:
         """Yield ``(name, array)`` as each tensor lands (file order, or the order of a list);
         with ``shard``, each array is this rank's slice; ``progress`` as in load_file."""
         chosen = select(self._ck, names)
-        landing = self._start(chosen, indices_for(self._ck, chosen, shard), progress)
+        landing = self._start(chosen, indices_for(self._ck, chosen, shard), progress, per_dest=True)
         try:
             for d, name in enumerate(chosen):
                 landing.wait_dest(d)

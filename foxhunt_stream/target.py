@@ -67,7 +67,7 @@ class HostTarget:
             self._pool = host_pool(self.scratch_bytes, self.n_slots)
         return self._pool
 
-    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None):
+    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None, track: bool = False):
         if run.height == 1 and source.direct_reads:
             dst = buf.host[run.dst:run.dst + run.width]
             if inspect is not None:   # checksums: hashed piece by piece as they land, on this thread
@@ -160,7 +160,10 @@ class CudaTarget:
         for slot, ev, pending in zip(ring.slots, ring.events, ring.pending):
             ring.pool.release(slot, ev if pending else None)
 
-    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None):
+    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None, track: bool = False):
+        """Queue the chunk's copy; returns an event for it alone when ``track`` (per-destination
+        waits), else None (the caller drains the streams). The slot's own event is re-recorded by
+        later chunks, so it cannot stand for this one."""
         rt = self._rt
         ring = self._rings.get(worker)
         if ring is None:
@@ -194,7 +197,12 @@ class CudaTarget:
             ring.stream.synchronize()   # the event cannot stand for the copy: wait for it here
             ring.pending[k] = False
             raise
-        return event
+        if not track:
+            return None
+        use_device(self.index)   # with device_map a worker serves several GPUs: the event's device must be the stream's
+        mine = self.cp.cuda.Event(block=False, disable_timing=True)
+        rt.eventRecord(mine.ptr, ring.stream_ptr)
+        return mine
 
     def fetch(self, worker: int, src_ptr: int, nbytes: int):
         """Device bytes -> a pinned slot; returns (slot, view) once the copy is complete."""

@@ -13,9 +13,11 @@ TEST_TIMEOUT=${TEST_TIMEOUT:-160} GPU_TESTS=${GPU_TESTS:-"-n 8 tests"} \
 tail -45 "$OUT/run_gpu.out"
 timeout 100 python3 benchmarks/tp_bench.py /dev/shm/tpb --device cuda:0 --framework pt --repeat 3 2>&1 | tee "$OUT/tp.log" | tail -14
 rm -f /dev/shm/tpb.single.safetensors
-timeout 60 python3 benchmarks/probe_gpu.py /dev/shm/tpb --json "$OUT/probe.json" > "$OUT/probe.log" 2>&1
-grep -v '"case"' "$OUT/probe.log" | tail -5
+if [ "${PROBE:-1}" != 0 ]; then
+  timeout 60 python3 benchmarks/probe_gpu.py /dev/shm/tpb --json "$OUT/probe.json" > "$OUT/probe.log" 2>&1
+  grep -v '"case"' "$OUT/probe.log" | tail -5
+fi
 if [ "${STARTUP_VARIANTS:-F,1,2,2w}" != none ]; then
   timeout ${STARTUP_TIMEOUT:-220} python3 benchmarks/startup_bench.py /dev/shm/startup --variants ${STARTUP_VARIANTS:-F,1,2,2w} \
-    --repeat 1 --timeout 60 --json "$OUT/startup.json" 2>&1 | tail -12
+    --repeat ${STARTUP_REPEAT:-1} --timeout 60 --json "$OUT/startup.json" 2>&1 | tail -12
 fi

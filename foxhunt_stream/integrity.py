@@ -284,10 +284,11 @@ class Verifier:
     """
 
     def __init__(self, checks: list[tuple[str, str, Checksums] | None], sizes: Sequence[int],
-                 on: str = "read") -> None:
+                 on: str | Sequence[str] = "read") -> None:
         self._checks = checks
+        ons = [on] * len(checks) if isinstance(on, str) else list(on)
         # "landed": xxh3-64 tensors are hashed once whole, where they landed (landed_digests)
-        self._landed = [on == "landed" and c is not None and c[2].algorithm == "xxh3-64" for c in checks]
+        self._landed = [o == "landed" and c is not None and c[2].algorithm == "xxh3-64" for c, o in zip(checks, ons)]
         self._pending: dict[int, tuple] = {}   # dest -> (device digests, buffer, stream), not yet checked
         self._pending_lock = threading.Lock()
         self._settle_lock = threading.Lock()   # one settle at a time: a waiter sees a concurrent one's verdict
@@ -301,9 +302,9 @@ class Verifier:
 
     @classmethod
     def for_selections(cls, ck: Checkpoint, selections: Sequence[Selection], sizes: Sequence[int],
-                       require: bool = True, on: str = "read") -> "Verifier":
+                       require: bool = True, on: str | Sequence[str] = "read") -> "Verifier":
         """A verifier for whole-tensor selections; ``require``: a tensor without a digest is an error
-        (otherwise it is left unchecked)."""
+        (otherwise it is left unchecked); ``on``: "read" or "landed", for all or per selection."""
         per_file: dict[int, Checksums | None] = {}
         checks: list[tuple[str, str, Checksums] | None] = []
         for s in selections:

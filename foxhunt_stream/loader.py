@@ -331,11 +331,17 @@ def _close_all(sources):
         src.close()
 
 
-def _plan(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, verify: bool):
-    """The load plan; with ``verify``, chunks cut on checksum blocks and a Verifier to check them."""
+def _plan(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, verify: bool,
+          devices: Device | Sequence[Device] = CPU):
+    """The load plan; with ``verify``, chunks cut on checksum blocks and a Verifier to check them
+    (``devices``: where each selection lands, which decides verify_on="auto")."""
     if not verify:
         return plan_load(sels, s.chunk_bytes), s, None
-    verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels], on=s.verify_on)
+    on: str | list[str] = s.verify_on
+    if on == "auto":   # a GPU has memory bandwidth to spare; the host's goes to the reads
+        per = [devices] * len(sels) if isinstance(devices, Device) else list(devices)
+        on = ["landed" if dev.is_cuda else "read" for dev in per]
+    verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels], on=on)
     s = verifier.settings(s)
     return plan_load(sels, s.chunk_bytes, granule=verifier.granule), s, verifier
 
@@ -440,7 +446,7 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
         for d in sorted(set(placed), key=str):
             check_device(d)
         fw = get_framework(framework, next((d for d in placed if d.is_cuda), CPU))   # the default: cupy on a GPU
-    plan, s, verifier = _plan(ck, _selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify)
+    plan, s, verifier = _plan(ck, _selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify, placed)
     if device_map is not None:
         plan = interleave_by_device(plan, placed)
     sources = open_sources(ck, s)
@@ -517,7 +523,8 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
         if b.device.is_cuda and (type(fw), b.device) not in settled:
             fw.settle(b.device)
             settled.add((type(fw), b.device))
-    plan, s, verifier = _plan(ck, _selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify)
+    plan, s, verifier = _plan(ck, _selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify,
+                              [b.device for b in buffers])
     sources = open_sources(ck, s)
     try:
         Landing(plan, sources, Destinations.fixed(buffers, [store[n] for n in chosen]), s,
@@ -618,7 +625,8 @@ class safe_open:
 
     def _start(self, names: list[str], indices=None, progress: bool | None = False, per_dest: bool = False):
         self._check()
-        plan, s, verifier = _plan(self._ck, _selections(self._ck, names, indices), self._s, self._verify)
+        plan, s, verifier = _plan(self._ck, _selections(self._ck, names, indices), self._s, self._verify,
+                                  self._dev)
         return Landing(plan, self._sources, Destinations.allocate(self._fw, plan, self._dev), s, verifier=verifier,
                        progress=progress_bar(plan.nbytes, "load", progress), per_dest=per_dest)
 

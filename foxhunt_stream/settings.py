@@ -40,7 +40,8 @@ class Settings:
     backend: str = "pread"           # pread | mmap | direct
     direct_io: str = "auto"          # auto | on | off (auto: O_DIRECT when the file is mostly not cached)
     write_backend: str = "auto"      # auto | mmap | pwrite (auto: mmap for big files on tmpfs, >= 8 threads)
-    verify_on: str = "read"          # read | landed: where verify=True hashes (see integrity.Verifier)
+    verify_on: str = "auto"          # auto | read | landed: where verify=True hashes (auto: on the GPU for
+                                     # xxh3-64 tensors landing there, else as chunks are read; integrity.Verifier)
 
     def resolved(self) -> "Settings":
         return replace(self, threads=self.threads or _default_threads())
@@ -58,8 +59,8 @@ class Settings:
         from .sink import WRITE_BACKENDS
         if self.write_backend not in WRITE_BACKENDS:
             raise ValueError(f"write_backend must be one of {', '.join(WRITE_BACKENDS)}, got {self.write_backend!r}")
-        if self.verify_on not in ("read", "landed"):
-            raise ValueError(f"verify_on must be 'read' or 'landed', got {self.verify_on!r}")
+        if self.verify_on not in ("auto", "read", "landed"):
+            raise ValueError(f"verify_on must be 'auto', 'read' or 'landed', got {self.verify_on!r}")
         if self.direct_io not in ("auto", "on", "off"):
             raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
         return self

@@ -27,40 +27,71 @@ def test_reference_refuses_short_inputs():
 
 
 def _kernel_mirror(data: bytes, keys: list[int]) -> int:
-    """The kernel's steps, one for one, with Python ints (for the key layout and step order)."""
+    """The kernel's steps, one for one, for the 32 lanes of its warp, with Python ints (the key
+    layout, which lane loads which word, the shuffles and the step order)."""
     m = (1 << 64) - 1
     n = len(data)
     word = lambda off: int.from_bytes(data[off:off + 8], "little")  # noqa: E731
-    acc = [0xC2B2AE3D, 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
-           0x85EBCA77C2B2AE63, 0x85EBCA77, 0x27D4EB2F165667C5, 0x9E3779B1]
+    init = [0xC2B2AE3D, 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+            0x85EBCA77C2B2AE63, 0x85EBCA77, 0x27D4EB2F165667C5, 0x9E3779B1]
+    T = range(32)
+    acc = [init[t & 7] for t in T]
+    key = [[keys[(t >> 3) + 4 * k + (t & 7)] for k in range(4)] for t in T]
 
-    def stripe(words, k0):
-        for j in range(8):
-            v = words[j]
-            dk = v ^ keys[k0 + j]
-            acc[j ^ 1] = (acc[j ^ 1] + v) & m
-            acc[j] = (acc[j] + (dk & 0xFFFFFFFF) * (dk >> 32)) & m
+    def mix32(v, k):
+        dk = v ^ k
+        return (dk & 0xFFFFFFFF) * (dk >> 32)
+
+    def shfl_xor(vals, mask):
+        return [vals[t ^ mask] for t in T]
+
+    def gather(prod, words):
+        prod = [(a + b) & m for a, b in zip(prod, shfl_xor(prod, 8))]
+        prod = [(a + b) & m for a, b in zip(prod, shfl_xor(prod, 16))]
+        words = [(a + b) & m for a, b in zip(words, shfl_xor(words, 8))]
+        words = [(a + b) & m for a, b in zip(words, shfl_xor(words, 16))]
+        nb = shfl_xor(words, 1)
+        for t in T:
+            acc[t] = (acc[t] + prod[t] + nb[t]) & m
+
     n_blocks = (n - 1) // 1024
     for bl in range(n_blocks):
-        for s in range(16):
-            stripe([word(bl * 1024 + s * 64 + 8 * j) for j in range(8)], s)
-        for j in range(8):
-            a = acc[j] ^ (acc[j] >> 47) ^ keys[16 + j]
-            acc[j] = (a * 0x9E3779B1) & m
-    for s in range(((n - 1) - n_blocks * 1024) // 64):
-        stripe([word(n_blocks * 1024 + s * 64 + 8 * j) for j in range(8)], s)
-    stripe([word(n - 64 + 8 * j) for j in range(8)], 24)
+        prod, words = [0] * 32, [0] * 32
+        for t in T:
+            for k in range(4):
+                v = word(8 * (bl * 128 + t + 32 * k))
+                prod[t] += mix32(v, key[t][k])
+                words[t] += v
+        gather(prod, words)
+        for t in T:
+            a = acc[t] ^ (acc[t] >> 47) ^ keys[16 + (t & 7)]
+            acc[t] = (a * 0x9E3779B1) & m
+    rest = ((n - 1) - n_blocks * 1024) // 64
+    prod, words = [0] * 32, [0] * 32
+    for t in T:
+        for k in range(4):
+            if (t >> 3) + 4 * k < rest:
+                v = word(8 * (n_blocks * 128 + t + 32 * k))
+                prod[t] += mix32(v, key[t][k])
+                words[t] += v
+    gather(prod, words)
+    prod, words = [0] * 32, [0] * 32
+    for t in range(8):
+        v = word(n - 64 + 8 * t)
+        prod[t], words[t] = mix32(v, keys[24 + t]), v
+    gather(prod, words)
+    a = acc[:8]   # __shfl_sync(acc, j) for j < 8
     h = (n * 0x9E3779B185EBCA87) & m
     for i in range(4):
-        a, c = acc[2 * i] ^ keys[32 + 2 * i], acc[2 * i + 1] ^ keys[33 + 2 * i]
-        p = a * c
+        x, y = a[2 * i] ^ keys[32 + 2 * i], a[2 * i + 1] ^ keys[33 + 2 * i]
+        p = x * y
         h = (h + ((p & m) ^ (p >> 64))) & m
     h ^= h >> 37
     h = (h * 0x165667919E3779F9) & m
     return h ^ (h >> 32)
 
 
-@pytest.mark.parametrize("length", [241, 1024, 1025, 3000, 4096])
+@pytest.mark.parametrize("length", [241, 1000, 1024, 1025, 3000, 4096, 5121, 8191])
 def test_kernel_steps_and_keys_match_xxhash(length):
     keys = [int(k) for k in dd.kernel_keys()]
     assert len(keys) == 40

@@ -491,6 +491,26 @@ def test_landed_verification_in_the_background(saved):
         fs.load_file(saved, verify=True, background=True, **LANDED).result()
 
 
+def test_verify_on_auto_hashes_on_the_gpu_only_what_lands_there(saved):
+    """The default, verify_on="auto": xxh3-64 tensors bound for a GPU are hashed there once they
+    have landed; host destinations (and crc32c files) are hashed as their chunks are read."""
+    from foxhunt_stream import loader
+    from foxhunt_stream.device import CPU, Device
+    ck = fs.checkpoint.open_checkpoint(saved)
+    names = ck.file_order()
+    sels = loader._selections(ck, names)
+    s = fs.settings.merge(**SMALL)
+    assert s.verify_on == "auto"
+    gpu = Device("cuda", 0)
+    xxh = integrity.read_checksums(ck.headers[0], ck.paths[0]).algorithm == "xxh3-64"
+    for devices, want in ((CPU, [False] * len(names)), (gpu, [xxh] * len(names)),
+                          ([gpu if i % 2 else CPU for i in range(len(names))], [xxh and i % 2 == 1 for i in range(len(names))])):
+        _, _, verifier = loader._plan(ck, sels, s, True, devices)
+        assert [verifier.hashes_landed(d) for d in range(len(names))] == want, devices
+    _, _, verifier = loader._plan(ck, sels, fs.settings.merge(verify_on="read", **SMALL), True, gpu)
+    assert not any(verifier.hashes_landed(d) for d in range(len(names)))
+
+
 def test_verify_on_is_validated():
     with pytest.raises(ValueError, match="verify_on"):
         fs.load_file("nowhere.safetensors", verify=True, verify_on="gpu")
@@ -518,6 +538,20 @@ def test_gpu_landed_verification_hashes_on_the_device(tmp_path, framework):
         store = {"b": big[1:]}
         fs.load_into(store, p, strict=False, verify=True, verify_on="landed", names=["b"])
         np.testing.assert_array_equal(cp.asnumpy(store["b"]), t["b"])
+    # the default (verify_on="auto") hashes on the device too: the kernel runs for every xxh3-64 tensor
+    from foxhunt_stream import device_digest
+    calls = []
+    real = device_digest.block_digests
+
+    def spy(*a, **k):
+        calls.append(a[1])
+        return real(*a, **k)
+    device_digest.block_digests = spy
+    try:
+        out = fs.load_file(p, device="cuda:0", framework=framework, verify=True, threads=3, **SMALL)
+    finally:
+        device_digest.block_digests = real
+    assert sorted(calls) == sorted(x.nbytes for x in t.values())
     for name, within in (("a", 3 * BLOCK + 5), ("a", 199_999), ("b", 8197), ("c", 3)):
         q = tmp_path / f"bad-{name}-{within}.safetensors"
         q.write_bytes(p.read_bytes())

@@ -174,24 +174,37 @@ extern "C" __global__ void xxh3_blocks(const unsigned char* __restrict__ data, u
     for (int k = 0; k < 4; ++k) key[k] = keys[q + 4 * k + lane];
     const u64 scramble = keys[16 + lane];
     const u64 n_blocks = (len - 1) / 1024;
-    u64 bl = 0;
-    for (; bl + 4 <= n_blocks; bl += 4) {         // four blocks' loads in flight before the chain
-        u64 v[4][4];
+    // 1 KiB blocks four at a time, the next four's loads issued before this four's chain runs
+    // (the chain is sequential: without loads in flight it waits on memory every step)
+    const u64 n_quads = n_blocks / 4;
+    u64 cur[4][4];
+    #pragma unroll
+    for (int j = 0; j < 4; ++j)
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) cur[j][k] = n_quads ? w[j * 128 + t + 32 * k] : 0;
+    for (u64 g = 0; g < n_quads; ++g) {
+        const u64 nb = (g + 1 < n_quads ? g + 1 : g) * 4;   // the last quad reloads itself: in bounds
+        u64 nxt[4][4];
         #pragma unroll
         for (int j = 0; j < 4; ++j)
             #pragma unroll
-            for (int k = 0; k < 4; ++k) v[j][k] = w[(bl + j) * 128 + t + 32 * k];
+            for (int k = 0; k < 4; ++k) nxt[j][k] = w[(nb + j) * 128 + t + 32 * k];
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
             u64 prod = 0, words = 0;
             #pragma unroll
-            for (int k = 0; k < 4; ++k) { prod += mix32(v[j][k], key[k]); words += v[j][k]; }
+            for (int k = 0; k < 4; ++k) { prod += mix32(cur[j][k], key[k]); words += cur[j][k]; }
             acc = gather(acc, prod, words);
             acc ^= acc >> 47;
             acc ^= scramble;
             acc *= 0x9E3779B1ULL;
         }
+        #pragma unroll
+        for (int j = 0; j < 4; ++j)
+            #pragma unroll
+            for (int k = 0; k < 4; ++k) cur[j][k] = nxt[j][k];
     }
+    u64 bl = n_quads * 4;
     for (; bl < n_blocks; ++bl) {
         u64 prod = 0, words = 0;
         #pragma unroll

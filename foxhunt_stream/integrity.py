@@ -328,11 +328,6 @@ class Verifier:
         return cls(checks, sizes, on)
 
     @property
-    def hashes_any_landed(self) -> bool:
-        """Some tensor is hashed where it landed: its copies must be waitable one by one."""
-        return any(self._landed)
-
-    @property
     def checked(self) -> list[bool]:
         return [h is not None for h in self._hashers]
 

@@ -182,10 +182,9 @@ class Landing:
                  progress: Progress = NO_PROGRESS, per_dest: bool = False) -> None:
         self.plan = plan
         # per_dest: someone waits for single destinations (tensors(), a background handle), so
-        # each GPU chunk gets an event of its own; otherwise finish() drains the streams at once
+        # each GPU chunk gets an event of its own; otherwise chunks share their slot's reused
+        # event (a landed-verify kernel may start a little late) and finish() drains the streams
         self.per_dest = per_dest
-        # a landed-verify kernel waits for its tensor's copies alone: those chunks need events too
-        self._track = per_dest or (verifier is not None and verifier.hashes_any_landed)
         self.progress = progress
         self.verifier = verifier
         self.dests = dests
@@ -222,7 +221,7 @@ class Landing:
         buf = self.dests.buffer(chunk.dest)
         inspect = self.verifier.inspector(chunk.dest, chunk.run) if self.verifier is not None else None
         return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect,
-                                              track=self._track)
+                                              track=self.per_dest)
 
     def _worker_done(self, worker: int) -> None:
         for t in self._targets.values():
@@ -265,9 +264,8 @@ class Landing:
             self.verifier.landed(d, buf, stream)
 
     def wait_dest(self, d: int) -> None:
-        """Block until destination ``d`` has fully landed (its copies complete); needs ``per_dest``."""
-        if not self.per_dest:
-            raise RuntimeError("this landing does not track single destinations (per_dest=False)")
+        """Block until destination ``d`` has fully landed (its copies complete); without
+        ``per_dest`` the wait may include later chunks of the same workers."""
         while not self._ready[d].wait(0.05):
             if self.job.done():
                 break

@@ -161,9 +161,9 @@ class CudaTarget:
             ring.pool.release(slot, ev if pending else None)
 
     def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None, track: bool = False):
-        """Queue the chunk's copy; returns an event for it alone when ``track`` (per-destination
-        waits), else None (the caller drains the streams). The slot's own event is re-recorded by
-        later chunks, so it cannot stand for this one."""
+        """Queue the chunk's copy and return an event that completes after it: with ``track`` (a
+        caller waits for single destinations) a fresh event for this chunk alone, else the slot's
+        reused event, which later chunks of this worker re-record (a wait on it may over-wait)."""
         rt = self._rt
         ring = self._rings.get(worker)
         if ring is None:
@@ -198,7 +198,7 @@ class CudaTarget:
             ring.pending[k] = False
             raise
         if not track:
-            return None
+            return event   # re-recorded by this worker's later chunks: waiting on it may over-wait, never under-wait
         use_device(self.index)   # with device_map a worker serves several GPUs: the event's device must be the stream's
         mine = self.cp.cuda.Event(block=False, disable_timing=True)
         rt.eventRecord(mine.ptr, ring.stream_ptr)

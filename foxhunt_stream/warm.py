@@ -32,7 +32,29 @@ from .source import FileSource, open_source, resident_fraction
 
 READ_BYTES = 1 << 20   # the reusable buffer per reader thread: the page cache is the real destination
 METHODS = ("read", "advise")
+PRIORITIES = ("idle", "normal")
 DEFAULT_THREADS = 8    # readers when the caller names none (at most the loader's thread count)
+IDLE_THREADS = 4       # ... with priority="idle": a shallower queue in front of the imports' reads
+
+_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
+_IOPRIO_WHO_PROCESS, _IOPRIO_CLASS_IDLE, _IOPRIO_CLASS_SHIFT = 1, 3, 13
+
+
+def set_idle_io_priority() -> bool:
+    """Put the calling thread's disk reads in the idle I/O class (Linux ``ioprio_set``): the block
+    layer's scheduler (mq-deadline, BFQ) serves them only when nobody else's reads wait, so a
+    prefetch does not slow the imports it overlaps. Best effort: False where unsupported."""
+    import ctypes
+    import platform
+    nr = _SYS_IOPRIO_SET.get(platform.machine())
+    if nr is None or not hasattr(os, "sched_getaffinity"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(nr, _IOPRIO_WHO_PROCESS, threading.get_native_id(),
+                            _IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +119,8 @@ class PrefetchHandle:
     readers and joins them."""
 
     def __init__(self, ck: Checkpoint, pieces: list[Piece], sources: dict[int, FileSource],
-                 name_pieces: dict[str, tuple[int, int]], threads: int, method: str) -> None:
+                 name_pieces: dict[str, tuple[int, int]], threads: int, method: str,
+                 priority: str = "normal") -> None:
         self.paths = list(ck.paths)
         self._real_paths = {os.path.realpath(p) for p in ck.paths}
         self.pieces = pieces
@@ -105,6 +128,7 @@ class PrefetchHandle:
         self._sources = sources
         self._name_pieces = name_pieces
         self._method = method
+        self.priority = priority
         self._landed = bytearray(len(pieces))
         self._remaining = len(pieces)
         self._bytes_done = 0
@@ -124,6 +148,8 @@ class PrefetchHandle:
 
     # -- workers
     def _setup(self, worker: int) -> None:
+        if self.priority == "idle":
+            set_idle_io_priority()
         if self._method == "read":
             self._buffers[worker] = np.empty(READ_BYTES, np.uint8)
 
@@ -209,7 +235,7 @@ def _close_sources(sources: dict[int, FileSource]) -> None:
 
 
 def prefetch(source, names: Names = None, *, method: str = "read", skip_resident: bool = True,
-             **options) -> PrefetchHandle:
+             priority: str = "idle", **options) -> PrefetchHandle:
     """Start warming the page cache with a checkpoint's bytes; returns at once with a handle.
 
     ``source`` and ``names`` are as in ``load_file`` (``names=None``: whole files). ``method``:
@@ -217,15 +243,19 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     (``posix_fadvise(WILLNEED)`` only: no copies, but the kernel may still be reading after
     done()). Files already fully resident are skipped (``skip_resident``). Options as for the
     loader: ``threads`` (readers; default the loader's count, at most 8), ``chunk_bytes`` (the
-    piece each reader hints and reads at a time).
+    piece each reader hints and reads at a time). ``priority``: ``"idle"`` (the readers' I/O in the
+    idle class, see ``set_idle_io_priority``, and at most 4 of them by default) or ``"normal"``.
     Needs neither torch nor cupy; call it before importing them.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
     s = _settings.merge(**options)
     # A disk streams sequentially with a few readers (each has a whole piece in flight); more
     # would only compete with the imports running meanwhile for the same disk and cores.
-    threads = s.threads if options.get("threads") else min(DEFAULT_THREADS, s.threads)
+    default = IDLE_THREADS if priority == "idle" else DEFAULT_THREADS
+    threads = s.threads if options.get("threads") else min(default, s.threads)
     ck = open_checkpoint(source)
     chosen = select(ck, names)
     spans = _spans(ck, chosen, names is None)
@@ -253,7 +283,7 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     except BaseException:
         _close_sources(sources)
         raise
-    return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method)
+    return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method, priority)
 
 
 class WarmupHandle:

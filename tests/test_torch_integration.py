@@ -561,3 +561,37 @@ def test_import_is_light_and_prefetch_needs_no_torch(tmp_path):
     print(f"\nimport foxhunt_stream: {total / 1000:.1f} ms cumulative (python -X importtime); largest parts:")
     for us, name in sorted(rows, reverse=True)[:6]:
         print(f"  {us / 1000:7.1f} ms {name}")
+
+
+def _io_priority_class(tid: int) -> int | None:
+    import ctypes
+    import platform
+    nr = {"x86_64": 252, "aarch64": 31}.get(platform.machine())   # ioprio_get
+    if nr is None:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    got = libc.syscall(nr, 1, tid)
+    return None if got < 0 else got >> 13
+
+
+def test_prefetch_readers_run_in_the_idle_io_class_by_default(tmp_path, monkeypatch):
+    """priority="idle" (the default): each reader thread puts its I/O in the idle class, so the
+    imports a prefetch overlaps are served first; "normal" leaves the class alone."""
+    import foxhunt_stream.warm as warm_mod
+    path, _ = _checkpoint(tmp_path)
+    seen = []
+    real = warm_mod.PrefetchHandle._work
+
+    def work(self, worker, piece):
+        seen.append((self.priority, _io_priority_class(threading.get_native_id())))
+        return real(self, worker, piece)
+    monkeypatch.setattr(warm_mod.PrefetchHandle, "_work", work)
+    fs.prefetch(path, skip_resident=False, chunk_bytes=8192).wait()
+    fs.prefetch(path, skip_resident=False, chunk_bytes=8192, priority="normal").wait()
+    idle = [c for p, c in seen if p == "idle"]
+    normal = [c for p, c in seen if p == "normal"]
+    assert idle and normal
+    if warm_mod.set_idle_io_priority():   # where the kernel takes it, every idle reader is idle class
+        assert set(idle) == {3} and 3 not in normal
+    with pytest.raises(ValueError, match="priority"):
+        fs.prefetch(path, priority="low")

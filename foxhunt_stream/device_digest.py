@@ -153,18 +153,18 @@ __device__ __forceinline__ u64 gather(u64 acc, u64 prod, u64 words) {
     return acc + prod + __shfl_xor_sync(0xffffffffu, words, 1);
 }
 
-// data: 8-byte aligned; block: a multiple of 8; keys: kernel_keys() (40 words); 32 x W threads
-// per CTA, warp w of CTA c hashing block c * W + w.
-// out[b] = XXH3-64 of bytes [b * block, min((b + 1) * block, total)), or 0 if shorter than 241.
-extern "C" __global__ void xxh3_blocks(const unsigned char* __restrict__ data, u64 total, u64 block,
-                                       const u64* __restrict__ keys, u64 count, u64* __restrict__ out) {
+// table: count device addresses (8-byte aligned), then count lengths: the blocks to hash, of any
+// tensors; keys: kernel_keys() (40 words); 32 x W threads per CTA, warp w of CTA c hashing
+// block c * W + w. out[b] = XXH3-64 of block b, or 0 if it is shorter than 241 bytes.
+extern "C" __global__ void xxh3_blocks(const u64* __restrict__ table, u64 count,
+                                       const u64* __restrict__ keys, u64* __restrict__ out) {
     const u64 b = blockIdx.x * (u64)(blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= count) return;                       // the whole warp leaves together
     const int t = threadIdx.x & 31, lane = t & 7, q = t >> 3;
-    const u64 start = b * block;
-    const u64 len = block < total - start ? block : total - start;
+    const unsigned char* data = (const unsigned char*)table[b];
+    const u64 len = table[count + b];
     if (len < 241) { if (t == 0) out[b] = 0; return; }
-    const u64* __restrict__ w = (const u64*)(data + start);
+    const u64* __restrict__ w = (const u64*)data;
     const u64 init[8] = {0xC2B2AE3DULL, 0x9E3779B185EBCA87ULL, 0xC2B2AE3D27D4EB4FULL, 0x165667B19E3779F9ULL,
                          0x85EBCA77C2B2AE63ULL, 0x85EBCA77ULL, 0x27D4EB2F165667C5ULL, 0x9E3779B1ULL};
     u64 acc = init[lane];
@@ -225,7 +225,7 @@ extern "C" __global__ void xxh3_blocks(const unsigned char* __restrict__ data, u
     }
     {   // the input's last 64 bytes (maybe unaligned), keyed from secret byte 121
         u64 prod = 0, words = 0;
-        if (q == 0) { const u64 v = load_le(data + start + len - 64 + 8 * lane); prod = mix32(v, keys[24 + lane]); words = v; }
+        if (q == 0) { const u64 v = load_le(data + len - 64 + 8 * lane); prod = mix32(v, keys[24 + lane]); words = v; }
         acc = gather(acc, prod, words);
     }
     u64 a[8];
@@ -275,21 +275,47 @@ def device_view(ptr: int, nbytes: int, device: int):
     return cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
 
 
-def block_digests(ptr: int, nbytes: int, block: int, device: int = 0, stream=None):
-    """XXH3-64 of each ``block``-byte block of the ``nbytes`` at device address ``ptr`` (on
-    ``device``), as a cupy uint64 array; blocks shorter than 241 bytes give 0 (hash them on the
-    host). Queued on ``stream`` (cupy's current stream if None); nothing is synchronized."""
+def block_table(spans, block: int) -> tuple[np.ndarray, list[int]]:
+    """Pure: the kernel's table for ``spans`` [(device address, nbytes)] cut into ``block``-byte
+    blocks (addresses, then lengths, uint64) and where each span's digests start in the output."""
+    if block <= 0 or block % 8:
+        raise ValueError("block_digests needs a block size that is a positive multiple of 8")
+    starts, lens, first = [], [], []
+    n = 0
+    for ptr, nbytes in spans:
+        if ptr % 8:
+            raise ValueError("block_digests needs 8-byte aligned addresses")
+        first.append(n)
+        offs = np.arange(0, nbytes, block, dtype=np.uint64)
+        starts.append(offs + np.uint64(ptr))
+        lens.append(np.minimum(np.uint64(block), np.uint64(nbytes) - offs))
+        n += len(offs)
+    first.append(n)
+    if not starts:
+        return np.zeros(0, np.uint64), first
+    return np.concatenate(starts + lens), first
+
+
+def spans_digests(spans, block: int, device: int = 0, stream=None):
+    """XXH3-64 of each ``block``-byte block of every span [(device address, nbytes)] on
+    ``device``, in one launch: a cupy uint64 array and each span's first index into it (plus the
+    total at the end). Blocks shorter than 241 bytes give 0 (hash them on the host). Queued on
+    ``stream`` (cupy's current stream if None); nothing is synchronized."""
     import contextlib
 
     import cupy as cp
-    if ptr % 8 or block % 8:
-        raise ValueError("block_digests needs an 8-byte aligned address and block size")
-    count = -(-nbytes // block)
+    table, first = block_table(spans, block)
+    count = first[-1]
     kern, keys = _kernel(device)
     with cp.cuda.Device(device), (stream if stream is not None else contextlib.nullcontext()):
         out = cp.empty(count, cp.uint64)
         if count:
-            data = device_view(ptr, nbytes, device)
-            kern((-(-count // WARPS_PER_CTA),), (32 * WARPS_PER_CTA,),
-                 (data, cp.uint64(nbytes), cp.uint64(block), keys, cp.uint64(count), out))
-    return out
+            dev_table = cp.asarray(table)   # queued on the stream, ahead of the kernel
+            kern((-(-count // WARPS_PER_CTA),), (32 * WARPS_PER_CTA,), (dev_table, cp.uint64(count), keys, out))
+    return out, first
+
+
+def block_digests(ptr: int, nbytes: int, block: int, device: int = 0, stream=None):
+    """XXH3-64 of each ``block``-byte block of the ``nbytes`` at device address ``ptr`` (on
+    ``device``), as a cupy uint64 array (see spans_digests)."""
+    return spans_digests([(ptr, nbytes)], block, device, stream)[0]

@@ -378,6 +378,30 @@ class Verifier:
         with self._pending_lock:
             self._pending[dest] = (out, buf, stream)
 
+    def landed_batch(self, landed, stream_for) -> None:
+        """Destinations [(dest, buffer)] whose copies are all complete, hashed together: one
+        kernel launch per device and block size (``stream_for(device)`` gives its stream) instead
+        of one per tensor, whose Python overhead on the worker threads cost more than the hashing;
+        ``settle`` checks them."""
+        from .device_digest import spans_digests
+        groups: dict[tuple, list] = {}
+        for d, buf in landed:
+            h = self._hashers[d]
+            if h is None or not self._landed[d] or h.size == 0:
+                continue
+            if not buf.device.is_cuda or buf.ptr % 8:
+                self.landed(d, buf)   # host bytes, or an unaligned view (hashed from a host copy)
+                continue
+            groups.setdefault((buf.device, h.block), []).append((d, buf))
+        for (dev, block), items in groups.items():
+            stream = stream_for(dev)
+            out, first = spans_digests([(buf.ptr, self._hashers[d].size) for d, buf in items], block,
+                                       dev.index, stream)
+            batch = _DigestBatch(out)
+            with self._pending_lock:
+                for i, (d, buf) in enumerate(items):
+                    self._pending[d] = ((batch, first[i], first[i + 1]), buf, stream)
+
     def settle(self, dest: int | None = None) -> None:
         """Check what ``landed`` queued on a GPU (every destination, or just ``dest``): waits for
         the digests, hashes short last blocks (and unaligned tensors) on the host, raises
@@ -410,7 +434,11 @@ class Verifier:
                 self._check(d)
             return
         from .device_digest import MIN_LONG
-        digests = [int(x) for x in out.get()]
+        if isinstance(out, tuple):   # a slice of a batch's digests
+            batch, lo, hi = out
+            digests = batch.host()[lo:hi]
+        else:
+            digests = [int(x) for x in out.get()]
         last = (len(digests) - 1) * h.block
         if h.size - last < MIN_LONG:   # the kernel leaves short blocks to the host
             digests[-1] = h.algo.fn(_device_bytes(buf, last, h.size - last))
@@ -423,6 +451,19 @@ class Verifier:
         if got != want:
             raise ChecksumError("checksum", f"{sums.algorithm} digest {got} does not match {want} stored in the "
                                 "file: the tensor's bytes changed after it was saved", path=path, tensor=name)
+
+
+class _DigestBatch:
+    """The device digests of one batched launch, copied to the host once for all its tensors."""
+
+    def __init__(self, out) -> None:
+        self._out = out
+        self._host: list[int] | None = None
+
+    def host(self) -> list[int]:
+        if self._host is None:
+            self._host = [int(x) for x in self._out.get()]
+        return self._host
 
 
 def _device_bytes(buf, offset: int, nbytes: int) -> np.ndarray:

@@ -194,6 +194,7 @@ class Landing:
         self._events: list[list] = [[] for _ in plan.destinations]
         self._ready = [threading.Event() for _ in plan.destinations]
         self._verify_streams: dict[Device, list] = {}
+        self._landed_later: list[int] = []
         for d, n in enumerate(self._remaining):
             if n == 0:
                 self._ready[d].set()
@@ -236,7 +237,11 @@ class Landing:
             self._remaining[d] -= 1
             complete = self._remaining[d] == 0
         if complete and self.verifier is not None and self.verifier.hashes_landed(d):
-            self._verify_landed(d)
+            if self.per_dest or not self.dests.buffer(d).device.is_cuda:   # waited for, or host: hash it now
+                self._verify_landed(d)
+            else:               # hashed with the others in one launch once all copies are done
+                with self._lock:
+                    self._landed_later.append(d)
         if complete:
             self._ready[d].set()
         self.progress.update(chunk.run.nbytes)
@@ -250,18 +255,25 @@ class Landing:
         from .device import cupy
         cp = cupy()
         with cp.cuda.Device(buf.device.index):
+            # a kernel hashes one tensor's blocks in parallel but each block sequentially
+            # (~ms): tensors go round-robin over several streams so their kernels overlap
+            stream = self._verify_stream(buf.device, d)
             with self._lock:
-                # a kernel hashes one tensor's blocks in parallel but each block sequentially
-                # (~ms): tensors go round-robin over several streams so their kernels overlap
-                streams = self._verify_streams.get(buf.device)
-                if streams is None:
-                    streams = self._verify_streams[buf.device] = [cp.cuda.Stream(non_blocking=True)
-                                                                  for _ in range(VERIFY_STREAMS)]
-                stream = streams[d % VERIFY_STREAMS]
                 events = list(self._events[d])
             for ev in events:   # the hash runs after every copy of this destination
                 stream.wait_event(ev)
             self.verifier.landed(d, buf, stream)
+
+    def _verify_stream(self, dev: Device, d: int):
+        from .device import cupy
+        cp = cupy()
+        with self._lock:
+            streams = self._verify_streams.get(dev)
+            if streams is None:
+                with cp.cuda.Device(dev.index):
+                    streams = self._verify_streams[dev] = [cp.cuda.Stream(non_blocking=True)
+                                                           for _ in range(VERIFY_STREAMS)]
+            return streams[d % VERIFY_STREAMS]
 
     def wait_dest(self, d: int) -> None:
         """Block until destination ``d`` has fully landed (its copies complete); without
@@ -292,6 +304,9 @@ class Landing:
         self.progress.close()
         try:
             if self.verifier is not None:
+                if self._landed_later:
+                    self.verifier.landed_batch([(d, self.dests.buffer(d)) for d in self._landed_later],
+                                               lambda dev: self._verify_stream(dev, 0))
                 self.verifier.settle()   # verify_on="landed" on a GPU: the digests queued there
             self._check_unchanged()
         except BaseException:

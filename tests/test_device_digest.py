@@ -116,3 +116,36 @@ def test_gpu_kernel_matches_xxhash(block):
             piece = host[off:off + block].tobytes()
             want.append(xxhash.xxh3_64_intdigest(piece) if len(piece) >= dd.MIN_LONG else 0)
         assert [int(g) for g in got] == want, total
+
+
+def test_block_table_cuts_spans_into_blocks():
+    table, first = dd.block_table([(1024, 10_000), (8192, 0), (16, 4096)], 4096)
+    n = first[-1]
+    assert first == [0, 3, 3, 4] and n == 4
+    assert table[:n].tolist() == [1024, 1024 + 4096, 1024 + 8192, 16]
+    assert table[n:].tolist() == [4096, 4096, 10_000 - 8192, 4096]
+    with pytest.raises(ValueError, match="aligned"):
+        dd.block_table([(3, 100)], 4096)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        dd.block_table([(8, 100)], 4095)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_hashes_many_spans_in_one_launch():
+    cp = pytest.importorskip("cupy")
+    from foxhunt_stream.device import cuda_available
+    if not cuda_available():
+        pytest.skip("needs a CUDA GPU")
+    rng = np.random.default_rng(7)
+    block = 1 << 16
+    sizes = [5 * block + 77, 100, 0, block, 3 * block + 4000, 300]
+    hosts = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    devs = [cp.asarray(h) for h in hosts]
+    out, first = dd.spans_digests([(d.data.ptr, n) for d, n in zip(devs, sizes)], block)
+    got = [int(x) for x in out.get()]
+    for h, a, b in zip(hosts, first, first[1:]):
+        want = []
+        for off in range(0, len(h), block):
+            piece = h[off:off + block].tobytes()
+            want.append(xxhash.xxh3_64_intdigest(piece) if len(piece) >= dd.MIN_LONG else 0)
+        assert got[a:b] == want

@@ -538,20 +538,29 @@ def test_gpu_landed_verification_hashes_on_the_device(tmp_path, framework):
         store = {"b": big[1:]}
         fs.load_into(store, p, strict=False, verify=True, verify_on="landed", names=["b"])
         np.testing.assert_array_equal(cp.asnumpy(store["b"]), t["b"])
-    # the default (verify_on="auto") hashes on the device too: the kernel runs for every xxh3-64 tensor
+    # the default (verify_on="auto") hashes on the device too: a plain load hashes every tensor in
+    # one launch once all copies are done; tensors() and background handles hash each tensor as
+    # it lands (someone may be waiting for it)
     from foxhunt_stream import device_digest
-    calls = []
-    real = device_digest.block_digests
+    batches = []
+    real_spans = device_digest.spans_digests
 
-    def spy(*a, **k):
-        calls.append(a[1])
-        return real(*a, **k)
-    device_digest.block_digests = spy
+    def spy_spans(spans, *a, **k):
+        batches.append(sorted(n for _, n in spans))
+        return real_spans(spans, *a, **k)
+    device_digest.spans_digests = spy_spans
     try:
-        out = fs.load_file(p, device="cuda:0", framework=framework, verify=True, threads=3, **SMALL)
+        fs.load_file(p, device="cuda:0", framework=framework, verify=True, threads=3, **SMALL)
+        assert batches == [sorted(x.nbytes for x in t.values())]
+        batches.clear()
+        got = fs.load_file(p, device="cuda:0", framework=framework, verify=True, background=True, **SMALL).result()
+        assert sorted(batches) == sorted([x.nbytes] for x in t.values()) and set(got) == set(t)
+        batches.clear()
+        with fs.safe_open(p, framework=framework, device="cuda:0", verify=True, **SMALL) as f:
+            names = [n for n, _ in f.tensors()]
+        assert sorted(names) == sorted(t) and sorted(batches) == sorted([x.nbytes] for x in t.values())
     finally:
-        device_digest.block_digests = real
-    assert sorted(calls) == sorted(x.nbytes for x in t.values())
+        device_digest.spans_digests = real_spans
     for name, within in (("a", 3 * BLOCK + 5), ("a", 199_999), ("b", 8197), ("c", 3)):
         q = tmp_path / f"bad-{name}-{within}.safetensors"
         q.write_bytes(p.read_bytes())

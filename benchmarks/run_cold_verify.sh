@@ -13,5 +13,5 @@ timeout 150 python3 benchmarks/gpu_bench.py --dir /dev/shm/tpb --size-gib 15 --s
   --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
 grep -E "ceiling|verify|hot, framework" "$OUT/bench.log"
 rm -rf /dev/shm/tpb /dev/shm/tpb.single.safetensors
-timeout ${STARTUP_TIMEOUT:-300} python3 benchmarks/startup_bench.py /root/startup_ckpt --variants 1,2p,2 --no-hot --cold \
+timeout ${STARTUP_TIMEOUT:-300} python3 benchmarks/startup_bench.py /root/startup_ckpt --variants ${COLD_VARIANTS:-1,2p,2} --no-hot --cold \
   --repeat 1 --timeout 70 --json "$OUT/startup_cold.json" 2>&1 | tail -14

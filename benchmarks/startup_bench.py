@@ -14,7 +14,8 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
     1   AutoModelForCausalLM.from_pretrained(dir, dtype=bfloat16, device_map=device)
     2   meta model + to_empty + fs.torch.load_model (fs.warmup timed separately)
     2w  2, with fs.warmup(DEV, background=True) right after importing foxhunt_stream
-    2p  2, with fs.prefetch(dir) as the very first statement, before torch is imported
+    2p  2, with fs.prefetch(dir, modules=("torch", "nvidia", "transformers")) as the very first
+        statement, before torch is imported (the packages' files are read first, then the weights)
     3   meta model + safetensors load_file(device=...) per shard + load_state_dict(assign=True)
 
 Each variant ends with a 1-token forward and torch.cuda.synchronize(); the child reports
@@ -127,7 +128,7 @@ def child_program(variant: str, directory: str, device: str) -> str:
     if variant == "2p":
         pre = f"""
 import foxhunt_stream as fs
-PF = fs.prefetch({directory!r})
+PF = fs.prefetch({directory!r}, modules=("torch", "nvidia", "transformers"))
 T["prefetch_started"] = time.time()
 """
     head = f"""
@@ -212,6 +213,7 @@ T["forward"] = time.time()
             body += """
 T["prefetch_bytes"] = PF.bytes_done
 T["prefetch_total"] = PF.nbytes
+T["prefetch_module_bytes"] = PF.module_bytes
 """
     elif variant == "3":
         body = """
@@ -280,7 +282,7 @@ def run_variant(variant: str, directory: str, device: str, timeout: float) -> di
         out["fs_warmup_detail_s"] = result["warmup"]
     if result.get("notes"):
         out["notes"] = result["notes"]
-    for k in ("prefetch_bytes", "prefetch_total"):
+    for k in ("prefetch_bytes", "prefetch_total", "prefetch_module_bytes"):
         if k in stamps:
             out[k] = stamps[k]
     return out
@@ -290,7 +292,7 @@ def _phases(spawn: float, stamps: dict) -> dict:
     """Durations between consecutive stamps, the first measured from the spawn."""
     out, prev = {}, spawn
     for k, v in stamps.items():
-        if k in ("prefetch_bytes", "prefetch_total"):
+        if k in ("prefetch_bytes", "prefetch_total", "prefetch_module_bytes"):
             continue
         out["python_start" if k == "start" else k] = v - prev
         prev = v

@@ -101,6 +101,55 @@ def _spans(ck: Checkpoint, chosen: list[str], whole_files: bool) -> list[list[tu
     return spans
 
 
+MODULE_SUFFIXES = (".so", ".pyc", ".pyd", ".dylib")
+
+
+def module_files(modules: Sequence[str]) -> list[tuple[str, int]]:
+    """The files an import of each top-level package would read: its shared libraries and
+    bytecode (``(path, size)``, packages in the order given, biggest files first within each).
+    Found with ``importlib.util.find_spec``, which imports nothing; unknown names are skipped.
+    For a cold start: warming torch's libraries (GBs) ahead of ``import torch`` in big reads is
+    faster than the import's own page faults, and keeps the checkpoint's reads off its path."""
+    import importlib.util
+    import sys
+    tag = sys.implementation.cache_tag or ""
+    out: list[tuple[str, int]] = []
+    seen: set[str] = set()
+    for name in modules:
+        if not name or "." in name:
+            raise ValueError(f"modules takes top-level package names, got {name!r}")
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            continue
+        roots = list(spec.submodule_search_locations or []) or ([spec.origin] if spec.origin else [])
+        files: list[tuple[str, int]] = []
+        for root in roots:
+            walk = os.walk(root) if os.path.isdir(root) else [(os.path.dirname(root), [], [os.path.basename(root)])]
+            for d, _, names in walk:
+                for fn in names:
+                    if not (fn.endswith(MODULE_SUFFIXES) or ".so." in fn):
+                        continue
+                    if fn.endswith(".pyc") and tag and tag not in fn:
+                        continue
+                    path = os.path.join(d, fn)
+                    real = os.path.realpath(path)
+                    if real in seen:
+                        continue
+                    try:
+                        size = os.stat(real).st_size
+                    except OSError:
+                        continue
+                    seen.add(real)
+                    if size:
+                        files.append((real, size))
+        files.sort(key=lambda f: (-f[1], f[0]))
+        out += files
+    return out
+
+
 _live: "weakref.WeakSet[PrefetchHandle]" = weakref.WeakSet()
 _live_lock = threading.Lock()
 
@@ -120,8 +169,14 @@ class PrefetchHandle:
 
     def __init__(self, ck: Checkpoint, pieces: list[Piece], sources: dict[int, FileSource],
                  name_pieces: dict[str, tuple[int, int]], threads: int, method: str,
-                 priority: str = "normal") -> None:
+                 priority: str = "normal", modules_first: tuple | None = None) -> None:
         self.paths = list(ck.paths)
+        # modules_first = (packages, piece bytes, skip_resident): their files are found and read
+        # on the readers' threads before the checkpoint's pieces (see module_files); a piece
+        # with file >= len(paths) reads module_paths[file - len(paths)], opened per piece
+        # (thousands of small files: no descriptor is held between pieces)
+        self.module_paths: list[str] = []
+        self.module_bytes = 0
         self._real_paths = {os.path.realpath(p) for p in ck.paths}
         self.pieces = pieces
         self.nbytes = sum(p.length for p in pieces)
@@ -144,7 +199,32 @@ class PrefetchHandle:
             self.finished = self.started
         with _live_lock:
             _live.add(self)
-        self._job.start()
+        if modules_first is None:
+            self._job.start()
+        else:   # discovery takes ~0.1-0.3 s: the caller's imports start meanwhile
+            threading.Thread(target=self._modules_then_checkpoint, args=(threads, *modules_first),
+                             name="foxhunt-prefetch-modules", daemon=True).start()
+
+    def _modules_then_checkpoint(self, threads: int, modules, piece_bytes: int, skip_resident: bool) -> None:
+        try:
+            files = module_files(modules)
+            if skip_resident:   # big libraries already in memory (a hot start): nothing to read
+                files = [(p, n) for p, n in files if n < (16 << 20) or resident_fraction(p, samples=64) < 1.0]
+            self.module_paths = [p for p, _ in files]
+            n = len(self.paths)
+            pieces = [Piece(n + i, off, min(piece_bytes, size - off))
+                      for i, (_, size) in enumerate(files) for off in range(0, size, piece_bytes)]
+
+            def counted(_i: int, piece: Piece, _result) -> None:
+                self.module_bytes += piece.length   # under the GIL; a progress figure only
+            if pieces and not self._job.cancelled():
+                job = Job(pieces, self._work, threads, counted, name="foxhunt-prefetch", setup=self._setup).start()
+                try:
+                    job.wait()
+                except BaseException:   # noqa: BLE001 - warming imports is best effort
+                    pass
+        finally:
+            self._job.start()   # cancelled: its readers stop at once and done() turns true
 
     # -- workers
     def _setup(self, worker: int) -> None:
@@ -154,6 +234,9 @@ class PrefetchHandle:
             self._buffers[worker] = np.empty(READ_BYTES, np.uint8)
 
     def _work(self, worker: int, piece: Piece) -> None:
+        if piece.file >= len(self.paths):
+            self._read_module_file(worker, piece)
+            return
         src = self._sources[piece.file]
         try:
             os.posix_fadvise(src.fd, piece.offset, piece.length, os.POSIX_FADV_WILLNEED)
@@ -166,6 +249,28 @@ class PrefetchHandle:
             if self._job.cancelled():
                 raise Cancelled("cancelled")   # not landed: on_done must not run for this piece
             src.read_into(buf[:min(READ_BYTES, piece.end - off)], off)
+
+    def _read_module_file(self, worker: int, piece: Piece) -> None:
+        path = self.module_paths[piece.file - len(self.paths)]
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return   # gone or unreadable: the import will say so, not the prefetch
+        try:
+            try:
+                os.posix_fadvise(fd, piece.offset, piece.length, os.POSIX_FADV_WILLNEED)
+            except (AttributeError, OSError):
+                pass
+            if self._method == "advise":
+                return
+            buf = self._buffers[worker]
+            for off in range(piece.offset, piece.end, READ_BYTES):
+                if self._job.cancelled():
+                    raise Cancelled("cancelled")
+                if os.preadv(fd, [memoryview(buf)[:min(READ_BYTES, piece.end - off)]], off) <= 0:
+                    return   # shorter than listed (rewritten): nothing more to warm
+        finally:
+            os.close(fd)
 
     def _on_done(self, i: int, piece: Piece, _result) -> None:
         with self._cond:
@@ -235,7 +340,7 @@ def _close_sources(sources: dict[int, FileSource]) -> None:
 
 
 def prefetch(source, names: Names = None, *, method: str = "read", skip_resident: bool = True,
-             priority: str = "idle", **options) -> PrefetchHandle:
+             priority: str = "idle", modules: Sequence[str] = (), **options) -> PrefetchHandle:
     """Start warming the page cache with a checkpoint's bytes; returns at once with a handle.
 
     ``source`` and ``names`` are as in ``load_file`` (``names=None``: whole files). ``method``:
@@ -245,6 +350,9 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     loader: ``threads`` (readers; default the loader's count, at most 8), ``chunk_bytes`` (the
     piece each reader hints and reads at a time). ``priority``: ``"idle"`` (the readers' I/O in the
     idle class, see ``set_idle_io_priority``, and at most 4 of them by default) or ``"normal"``.
+    ``modules``: top-level packages the process is about to import (``("torch", "nvidia",
+    "transformers")``), whose libraries and bytecode are read first (``module_files``): on a cold
+    start the imports then find them in memory instead of waiting behind the checkpoint's reads.
     Needs neither torch nor cupy; call it before importing them.
     """
     if method not in METHODS:
@@ -263,6 +371,9 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
         for f, path in enumerate(ck.paths):
             if spans[f] and resident_fraction(path, samples=1 << 62) >= 1.0:
                 spans[f] = []
+    for m in modules:
+        if not m or "." in m:
+            raise ValueError(f"modules takes top-level package names, got {m!r}")
     pieces = plan_pieces(spans, s.chunk_bytes)
     keys = [(p.file, p.offset) for p in pieces]
     name_pieces: dict[str, tuple[int, int]] = {}
@@ -283,7 +394,8 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     except BaseException:
         _close_sources(sources)
         raise
-    return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method, priority)
+    modules_first = (tuple(modules), s.chunk_bytes, skip_resident) if modules else None
+    return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method, priority, modules_first)
 
 
 class WarmupHandle:

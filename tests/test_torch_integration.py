@@ -595,3 +595,60 @@ def test_prefetch_readers_run_in_the_idle_io_class_by_default(tmp_path, monkeypa
         assert set(idle) == {3} and 3 not in normal
     with pytest.raises(ValueError, match="priority"):
         fs.prefetch(path, priority="low")
+
+
+def _fake_package(tmp_path, monkeypatch):
+    import sys as _sys
+    root = tmp_path / "site"
+    pkg = root / "fhfakepkg"
+    (pkg / "__pycache__").mkdir(parents=True)
+    (pkg / "lib").mkdir()
+    (pkg / "__init__.py").write_text("")
+    tag = _sys.implementation.cache_tag
+    (pkg / "__pycache__" / f"__init__.{tag}.pyc").write_bytes(b"p" * 300)
+    (pkg / "__pycache__" / "__init__.cpython-00.pyc").write_bytes(b"o" * 50)   # another interpreter's
+    (pkg / "lib" / "libbig.so.12").write_bytes(b"b" * 20_000)
+    (pkg / "_ext.so").write_bytes(b"e" * 5_000)
+    (pkg / "notes.txt").write_text("not code")
+    monkeypatch.syspath_prepend(str(root))
+    return pkg, tag
+
+
+def test_module_files_lists_a_packages_libraries_and_bytecode_without_importing_it(tmp_path, monkeypatch):
+    import sys as _sys
+    from foxhunt_stream.warm import module_files
+    pkg, tag = _fake_package(tmp_path, monkeypatch)
+    got = module_files(["fhfakepkg", "no_such_package_fh"])
+    assert [os.path.relpath(p, pkg) for p, _ in got] == [os.path.join("lib", "libbig.so.12"), "_ext.so",
+                                                          os.path.join("__pycache__", f"__init__.{tag}.pyc")]
+    assert [n for _, n in got] == [20_000, 5_000, 300]
+    assert "fhfakepkg" not in _sys.modules
+    with pytest.raises(ValueError, match="top-level"):
+        module_files(["fhfakepkg.sub"])
+
+
+def test_prefetch_reads_the_modules_files_before_the_checkpoint(tmp_path, monkeypatch):
+    import foxhunt_stream.warm as warm_mod
+    pkg, _ = _fake_package(tmp_path, monkeypatch)
+    path, _ = _checkpoint(tmp_path)
+    order = []
+    real = warm_mod.PrefetchHandle._work
+
+    def work(self, worker, piece):
+        order.append("module" if piece.file >= len(self.paths) else "checkpoint")
+        return real(self, worker, piece)
+    monkeypatch.setattr(warm_mod.PrefetchHandle, "_work", work)
+    h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, modules=["fhfakepkg"])
+    h.wait()
+    n_mod = 3 + 1 + 1   # libbig.so.12 (20 000 bytes) in three 8 KiB pieces, _ext.so, the .pyc
+    assert order[:n_mod] == ["module"] * n_mod and set(order[n_mod:]) == {"checkpoint"}
+    assert h.nbytes == os.path.getsize(path) == h.bytes_done and h.module_bytes == 20_000 + 5_000 + 300
+    h.wait("t3")   # per-name waits still find the checkpoint's pieces
+
+
+def test_prefetch_with_modules_cancels_promptly(tmp_path, monkeypatch):
+    _fake_package(tmp_path, monkeypatch)
+    path, _ = _checkpoint(tmp_path)
+    h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=4096, modules=["fhfakepkg"])
+    h.cancel()
+    assert h.done() and not _foxhunt_threads()

@@ -4,7 +4,7 @@ load queues one batched digest launch per device and block size once all copies 
 stand-in with its contract (XXH3-64 of each (address, length) block, 0 under 241 bytes), so the
 bookkeeping around it is checked without a GPU: digests land on the right tensors, a corrupted
 tensor is named, and on a failure every hashing stream is drained before the destinations are
-freed. Runs in a subprocess so the stand-in never shadows a real cupy."""
+freed, and a background handle that reported a corrupted tensor never returns it. Runs in a subprocess so the stand-in never shadows a real cupy."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent("""
     tensors = {**parts[0], **parts[1]}
     gpu = device.Device("cuda", 0)
 
-    def load(ck_paths):
+    def load(ck_paths, per_dest=False):
         ck = open_checkpoint(ck_paths)
         names = ck.file_order()
         s = settings.merge(chunk_bytes=4096, staging_bytes=4 * 8192, threads=3)
@@ -76,9 +76,12 @@ SCRIPT = textwrap.dedent("""
         arrays = [np.zeros(tensors[n].shape, np.float32) for n in names]
         bufs = [Buffer(gpu, a.nbytes, None, a.ctypes.data) for a in arrays]
         sources = loader.open_sources(ck, s2)
-        landing = loader.Landing(plan_, sources, loader.Destinations.fixed(bufs, arrays), s2, verifier=verifier)
+        landing = loader.Landing(plan_, sources, loader.Destinations.fixed(bufs, arrays), s2, verifier=verifier,
+                                 per_dest=per_dest)
         real_release = landing.dests.release
         landing.dests.release = lambda: (log.append(("release",)), real_release())
+        if per_dest:
+            return names, loader.LoadHandle(landing, names, lambda: loader._close_all(sources))
         try:
             landing.finish()
         finally:
@@ -119,6 +122,25 @@ SCRIPT = textwrap.dedent("""
     release = log.index(("release",))
     assert launch < release
     assert ("sync", log[launch][1]) in log[launch:release], log
+
+    # 4. a background handle (each tensor hashed as it lands): once wait(name) has reported a
+    # corrupted tensor, result() must not hand it back with the others
+    fail_at[0] = None
+    log.clear()
+    names, handle = load([paths[0], bad], per_dest=True)
+    try:
+        handle.wait("b2")
+    except ChecksumError as e:
+        assert e.tensor == "b2", e
+    else:
+        raise AssertionError("corruption not detected by wait()")
+    try:
+        got = handle.result()
+    except ChecksumError as e:
+        assert e.tensor == "b2", e
+    else:
+        raise AssertionError(f"result() returned {len(got)} tensors, the corrupted one among them")
+    assert ("release",) in log
     print("ok")
 """)
 

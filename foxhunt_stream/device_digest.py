@@ -262,7 +262,9 @@ def _kernel(device: int):
             if k is None:
                 with cp.cuda.Device(device):
                     keys = cp.asarray(kernel_keys())
-                    cp.cuda.Stream.null.synchronize()   # the upload, not the whole device
+                    # the upload went on the caller's current stream (a non-blocking one inside
+                    # `with stream:`), not necessarily the null stream; kernels on other streams use it
+                    cp.cuda.get_current_stream().synchronize()
                     kern = cp.RawKernel(KERNEL, "xxh3_blocks")
                     kern.compile()
                     k = _kernels[device] = (kern, keys)

@@ -410,6 +410,8 @@ class Verifier:
             self._settle(dest)
             if dest is not None and dest in self._failed:
                 raise self._failed[dest]
+            if dest is None and self._failed:   # reported to a waiter already: still no whole load
+                raise next(iter(self._failed.values()))
 
     def _settle(self, dest: int | None) -> None:
         with self._pending_lock:

@@ -6,6 +6,7 @@ front ends over one ``Landing``: a plan being executed by the pipeline into dest
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -310,6 +311,10 @@ class Landing:
                 self.verifier.settle()   # verify_on="landed" on a GPU: the digests queued there
             self._check_unchanged()
         except BaseException:
+            # hashing kernels queued since the drain above (landed_batch: other devices or block
+            # sizes than the one that failed) may still be reading the destinations
+            with contextlib.suppress(Exception):
+                self._drain()
             self.dests.release()   # a mixed-version load hands nothing back, nor keeps it alive
             raise
         elapsed = time.perf_counter() - self.started

@@ -16,6 +16,7 @@ staging pool, one stream per worker) and says how long each took.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,8 @@ from . import settings as _settings
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
 from .pipeline import Cancelled, Job
 from .source import FileSource, open_source, resident_fraction
+
+log = logging.getLogger("foxhunt_stream")
 
 READ_BYTES = 1 << 20   # the reusable buffer per reader thread: the page cache is the real destination
 METHODS = ("read", "advise")
@@ -199,17 +202,24 @@ class PrefetchHandle:
             self.finished = self.started
         with _live_lock:
             _live.add(self)
+        self._modules_thread: threading.Thread | None = None
         if modules_first is None:
             self._job.start()
         else:   # discovery takes ~0.1-0.3 s: the caller's imports start meanwhile
-            threading.Thread(target=self._modules_then_checkpoint, args=(threads, *modules_first),
-                             name="foxhunt-prefetch-modules", daemon=True).start()
+            self._modules_thread = threading.Thread(target=self._modules_then_checkpoint,
+                                                    args=(threads, *modules_first),
+                                                    name="foxhunt-prefetch-modules", daemon=True)
+            self._modules_thread.start()
 
     def _modules_then_checkpoint(self, threads: int, modules, piece_bytes: int, skip_resident: bool) -> None:
         try:
-            files = module_files(modules)
-            if skip_resident:   # big libraries already in memory (a hot start): nothing to read
-                files = [(p, n) for p, n in files if n < (16 << 20) or resident_fraction(p, samples=64) < 1.0]
+            try:
+                files = module_files(modules)
+                if skip_resident:   # big libraries already in memory (a hot start): nothing to read
+                    files = [(p, n) for p, n in files if n < (16 << 20) or resident_fraction(p, samples=64) < 1.0]
+            except Exception:   # noqa: BLE001 - best effort like the reads: the checkpoint still warms
+                log.debug("prefetch: finding the modules' files failed", exc_info=True)
+                files = []
             self.module_paths = [p for p, _ in files]
             n = len(self.paths)
             pieces = [Piece(n + i, off, min(piece_bytes, size - off))
@@ -296,7 +306,8 @@ class PrefetchHandle:
         return self._bytes_done
 
     def done(self) -> bool:
-        return self._job.done()
+        t = self._modules_thread   # modules still being read count as running (even with no pieces)
+        return self._job.done() and (t is None or not t.is_alive())
 
     def wait(self, name: str | None = None, timeout: float | None = None) -> None:
         """Block until the prefetch (or only tensor ``name``'s bytes) is in the page cache.
@@ -305,7 +316,13 @@ class PrefetchHandle:
         if ``timeout`` seconds pass first.
         """
         if name is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
             self._job.wait(timeout)
+            t = self._modules_thread
+            if t is not None:   # the checkpoint's job may have had nothing to read
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if t.is_alive():
+                    raise TimeoutError("prefetch of the modules' files still running")
             return
         try:
             a, b = self._name_pieces[name]
@@ -332,6 +349,8 @@ class PrefetchHandle:
             self._job.wait()
         except BaseException:
             pass
+        if self._modules_thread is not None:   # its readers stop at their next 1 MiB read
+            self._modules_thread.join()
         self._closer()
 
     def __repr__(self) -> str:
@@ -379,6 +398,8 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
         for f, path in enumerate(ck.paths):
             if spans[f] and resident_fraction(path, samples=1 << 62) >= 1.0:
                 spans[f] = []
+    if isinstance(modules, (str, bytes)):
+        raise TypeError(f"modules takes a list of package names, got the string {modules!r}")
     for m in modules:
         if not m or "." in m:
             raise ValueError(f"modules takes top-level package names, got {m!r}")

@@ -652,3 +652,59 @@ def test_prefetch_with_modules_cancels_promptly(tmp_path, monkeypatch):
     h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=4096, modules=["fhfakepkg"])
     h.cancel()
     assert h.done() and not _foxhunt_threads()
+
+
+def test_prefetch_of_modules_alone_is_done_only_once_its_readers_stop(tmp_path, monkeypatch):
+    """A checkpoint with nothing left to read (here: no names) and modules still being read: the
+    handle is not done() yet, wait() waits for the module readers, and cancel() stops and joins
+    them (no reader keeps going behind a handle that says it is done)."""
+    import foxhunt_stream.warm as warm_mod
+    _fake_package(tmp_path, monkeypatch)
+    path, _ = _checkpoint(tmp_path)
+    started, release = threading.Event(), threading.Event()
+    real = warm_mod.PrefetchHandle._read_module_file
+
+    def slow(self, worker, piece):
+        started.set()
+        while not (release.is_set() or self._job.cancelled()):
+            release.wait(0.01)
+        return real(self, worker, piece)
+    monkeypatch.setattr(warm_mod.PrefetchHandle, "_read_module_file", slow)
+    h = fs.prefetch(path, names=[], skip_resident=False, threads=1, chunk_bytes=8192, modules=["fhfakepkg"])
+    assert started.wait(10)
+    assert not h.done()
+    with pytest.raises(TimeoutError):
+        h.wait(timeout=0.05)
+    release.set()
+    h.wait()
+    assert h.done() and h.module_bytes == 20_000 + 5_000 + 300 and not _foxhunt_threads()
+    release.clear()
+    started.clear()
+    h = fs.prefetch(path, names=[], skip_resident=False, threads=1, chunk_bytes=8192, modules=["fhfakepkg"])
+    assert started.wait(10)
+    h.cancel()
+    assert h.done() and not _foxhunt_threads()
+
+
+def test_prefetch_module_discovery_errors_are_best_effort(tmp_path, monkeypatch):
+    """Finding the modules' files is best effort like reading them: an error there (a file gone
+    between listing and the residency check, a broken import finder) leaves the checkpoint's
+    prefetch running and raises nothing on the handle or in the thread."""
+    import foxhunt_stream.warm as warm_mod
+    path, _ = _checkpoint(tmp_path)
+
+    def broken(modules):
+        raise RuntimeError("finder broke")
+    monkeypatch.setattr(warm_mod, "module_files", broken)
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, modules=["fhfakepkg"])
+    h.wait()
+    assert h.done() and h.bytes_done == h.nbytes == os.path.getsize(path)
+    assert errors == [] and not _foxhunt_threads()
+
+
+def test_prefetch_modules_must_be_a_list_of_names(tmp_path):
+    path, _ = _checkpoint(tmp_path)
+    with pytest.raises(TypeError, match="modules"):
+        fs.prefetch(path, modules="torch")   # not the packages 't', 'o', 'r', 'c', 'h'

@@ -61,6 +61,9 @@ class Stream:
     def synchronize(self):
         pass
 
+    def wait_event(self, event):
+        pass
+
 
 class Event:
     _n = 0

@@ -251,23 +251,36 @@ _kernels: dict[int, tuple] = {}
 _kernels_lock = threading.Lock()
 
 
+class KernelUnavailable(RuntimeError):
+    """The digest kernel cannot be built here (no NVRTC in this cupy install, an unsupported
+    GPU...): the caller hashes on the host instead."""
+
+
 def _kernel(device: int):
     """The compiled kernel and its keys on ``device`` (made once per process and device; the
-    first call compiles with NVRTC, ``warmup`` is the place to pay for that)."""
+    first call compiles with NVRTC, ``warmup(device, verify=True)`` pays for that up front). A
+    failed build is remembered and raised as KernelUnavailable on every call."""
     import cupy as cp
     k = _kernels.get(device)
     if k is None:
         with _kernels_lock:
             k = _kernels.get(device)
             if k is None:
-                with cp.cuda.Device(device):
-                    keys = cp.asarray(kernel_keys())
-                    # the upload went on the caller's current stream (a non-blocking one inside
-                    # `with stream:`), not necessarily the null stream; kernels on other streams use it
-                    cp.cuda.get_current_stream().synchronize()
-                    kern = cp.RawKernel(KERNEL, "xxh3_blocks")
-                    kern.compile()
-                    k = _kernels[device] = (kern, keys)
+                try:
+                    with cp.cuda.Device(device):
+                        keys = cp.asarray(kernel_keys())
+                        # the upload went on the caller's current stream (a non-blocking one inside
+                        # `with stream:`), not necessarily the null stream; kernels on other streams use it
+                        cp.cuda.get_current_stream().synchronize()
+                        kern = cp.RawKernel(KERNEL, "xxh3_blocks")
+                        kern.compile()
+                        k = (kern, keys)
+                except Exception as e:  # noqa: BLE001 - NVRTC missing or failing: hash on the host
+                    k = KernelUnavailable(f"the xxh3-64 digest kernel could not be built on cuda:{device}: "
+                                          f"{type(e).__name__}: {e}")
+                _kernels[device] = k
+    if isinstance(k, KernelUnavailable):
+        raise k
     return k
 
 

@@ -370,11 +370,13 @@ class Verifier:
             if h.add(0, data):
                 self._check(dest)
             return
-        from .device_digest import block_digests
+        from .device_digest import KernelUnavailable, block_digests
+        out = None   # an unaligned view (load_into a slice of a bigger tensor): hash a host copy
         if buf.ptr % 8 == 0:
-            out = block_digests(buf.ptr, h.size, h.block, buf.device.index, stream)
-        else:   # an unaligned view (load_into a slice of a bigger tensor): hash a host copy
-            out = None
+            try:
+                out = block_digests(buf.ptr, h.size, h.block, buf.device.index, stream)
+            except KernelUnavailable as e:
+                _warn_host_fallback(e)
         with self._pending_lock:
             self._pending[dest] = (out, buf, stream)
 
@@ -383,7 +385,7 @@ class Verifier:
         kernel launch per device and block size (``stream_for(device)`` gives its stream) instead
         of one per tensor, whose Python overhead on the worker threads cost more than the hashing;
         ``settle`` checks them."""
-        from .device_digest import spans_digests
+        from .device_digest import KernelUnavailable, spans_digests
         groups: dict[tuple, list] = {}
         for d, buf in landed:
             h = self._hashers[d]
@@ -395,8 +397,15 @@ class Verifier:
             groups.setdefault((buf.device, h.block), []).append((d, buf))
         for (dev, block), items in groups.items():
             stream = stream_for(dev)
-            out, first = spans_digests([(buf.ptr, self._hashers[d].size) for d, buf in items], block,
-                                       dev.index, stream)
+            try:
+                out, first = spans_digests([(buf.ptr, self._hashers[d].size) for d, buf in items], block,
+                                           dev.index, stream)
+            except KernelUnavailable as e:   # settle hashes host copies of them instead
+                _warn_host_fallback(e)
+                with self._pending_lock:
+                    for d, buf in items:
+                        self._pending[d] = (None, buf, None)
+                continue
             batch = _DigestBatch(out)
             with self._pending_lock:
                 for i, (d, buf) in enumerate(items):
@@ -453,6 +462,19 @@ class Verifier:
         if got != want:
             raise ChecksumError("checksum", f"{sums.algorithm} digest {got} does not match {want} stored in the "
                                 "file: the tensor's bytes changed after it was saved", path=path, tensor=name)
+
+
+_fallback_warned = False
+
+
+def _warn_host_fallback(e: Exception) -> None:
+    """Once per process: verify=True still checks everything, but slowly (device -> host copies)."""
+    global _fallback_warned
+    if not _fallback_warned:
+        _fallback_warned = True
+        import warnings
+        warnings.warn(f"{e}; verify=True hashes host copies of GPU tensors instead (slower; "
+                      "verify_on='read' hashes them on their way in)", RuntimeWarning, stacklevel=3)
 
 
 class _DigestBatch:

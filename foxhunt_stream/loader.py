@@ -305,8 +305,9 @@ class Landing:
         self.progress.close()
         try:
             if self.verifier is not None:
-                if self._landed_later:
-                    self.verifier.landed_batch([(d, self.dests.buffer(d)) for d in self._landed_later],
+                later, self._landed_later = self._landed_later, []   # once: a second finish() must not relaunch
+                if later:
+                    self.verifier.landed_batch([(d, self.dests.buffer(d)) for d in later],
                                                lambda dev: self._verify_stream(dev, 0))
                 self.verifier.settle()   # verify_on="landed" on a GPU: the digests queued there
             self._check_unchanged()
@@ -659,14 +660,16 @@ class safe_open:
         with ``shard``, each array is this rank's slice; ``progress`` as in load_file."""
         chosen = select(self._ck, names)
         landing = self._start(chosen, indices_for(self._ck, chosen, shard), progress, per_dest=True)
+        finished = False
         try:
             for d, name in enumerate(chosen):
                 landing.wait_dest(d)
                 yield name, landing.dests.array(d)
             landing.finish()
+            finished = True
         finally:
-            if not landing.job.done():
-                landing.cancel()
+            if not finished:   # stopped early, or a tensor failed its check after the reads were done:
+                landing.cancel()   # the rest is dropped, the hashing streams drained, memory released
                 try:
                     landing.finish()
                 except BaseException:

@@ -430,11 +430,11 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
 class WarmupHandle:
     """A warmup running on a background thread (``warmup(..., background=True)``)."""
 
-    def __init__(self, dev, s: _settings.Settings) -> None:
+    def __init__(self, dev, s: _settings.Settings, verify: bool = False) -> None:
         self._out: dict[str, float] | None = None
 
         def work(worker: int, _item) -> None:
-            self._out = _warm(dev, s)
+            self._out = _warm(dev, s, verify)
         self._job = Job([None], work, 1, name="foxhunt-warmup").start()
 
     def done(self) -> bool:
@@ -446,7 +446,8 @@ class WarmupHandle:
         return dict(self._out or {})
 
 
-def warmup(device="cuda:0", *, background: bool = False, **options) -> dict[str, float] | WarmupHandle:
+def warmup(device="cuda:0", *, background: bool = False, verify: bool = False,
+           **options) -> dict[str, float] | WarmupHandle:
     """Pay a load's first-use costs now; returns the seconds each step took.
 
     For a GPU: importing cupy, creating the CUDA context, allocating the pinned staging pool
@@ -454,18 +455,19 @@ def warmup(device="cuda:0", *, background: bool = False, **options) -> dict[str,
     the same settings) and one stream per worker thread. For ``"cpu"``: the host scratch pool.
     With ``background=True`` it runs on a thread and a WarmupHandle is returned at once, so the
     work overlaps whatever the caller does next (building the model); a load that starts before
-    it is done waits for the pinned pool instead of allocating a second one.
+    it is done waits for the pinned pool instead of allocating a second one. ``verify=True`` also
+    builds the GPU checksum kernel that ``load_file(..., verify=True)`` uses (an NVRTC compile).
     """
     from .device import parse_device
 
     s = _settings.merge(**options)   # in the caller: its settings overrides apply
     dev = parse_device(device)
     if background:
-        return WarmupHandle(dev, s)
-    return _warm(dev, s)
+        return WarmupHandle(dev, s, verify)
+    return _warm(dev, s, verify)
 
 
-def _warm(dev, s: _settings.Settings) -> dict[str, float]:
+def _warm(dev, s: _settings.Settings, verify: bool = False) -> dict[str, float]:
     from .device import check_device, context, cupy
     from .target import CudaTarget, HostTarget
 
@@ -494,4 +496,11 @@ def _warm(dev, s: _settings.Settings) -> dict[str, float]:
     for w in range(s.threads):
         ctx.stream(w)
     lap("streams")
+    if verify:
+        from .device_digest import KernelUnavailable, _kernel
+        try:
+            _kernel(dev.index)
+        except KernelUnavailable:   # loads will hash host copies; they warn about it themselves
+            pass
+        lap("digest_kernel")
     return out

@@ -52,6 +52,7 @@ SCRIPT = textwrap.dedent("""
                for a, l in zip(table[:n], table[n:])]
         return HostDigests(out), first
 
+    real_spans_digests = device_digest.spans_digests
     device_digest.spans_digests = host_spans_digests
     integrity._device_bytes = lambda buf, off, n: np.frombuffer(ctypes.string_at(buf.ptr + off, n), np.uint8)
 
@@ -141,6 +142,23 @@ SCRIPT = textwrap.dedent("""
     else:
         raise AssertionError(f"result() returned {len(got)} tensors, the corrupted one among them")
     assert ("release",) in log
+
+    # 5. no kernel here (the stand-in has no RawKernel, like a cupy without NVRTC): the real
+    # spans_digests raises KernelUnavailable once, and the tensors are hashed from host copies
+    import warnings
+    device_digest.spans_digests = real_spans_digests
+    log.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        names, arrays = load(paths)
+    assert all(np.array_equal(a, tensors[n]) for a, n in zip(arrays, names))
+    assert any("host copies" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    try:
+        load([paths[0], bad])
+    except ChecksumError as e:
+        assert e.tensor == "b2", e
+    else:
+        raise AssertionError("corruption not detected without the kernel")
     print("ok")
 """)
 

@@ -248,14 +248,24 @@ class PrefetchHandle:
             self._read_module_file(worker, piece)
             return
         src = self._sources[piece.file]
-        self._advise(src.fd, piece)
+
+        def read(view, off: int) -> bool:
+            src.read_into(view, off)   # a short or failed read of the checkpoint is an error
+            return True
+        self._warm_piece(worker, src.fd, piece, read)
+
+    def _warm_piece(self, worker: int, fd: int, piece: Piece, read) -> None:
+        """Hint the piece, then (method "read") read it through this worker's buffer;
+        ``read(view, offset)`` returns False to stop early."""
+        self._advise(fd, piece)
         if self._method == "advise":
             return
         buf = self._buffers[worker]
         for off in range(piece.offset, piece.end, READ_BYTES):
             if self._job.cancelled():
                 raise Cancelled("cancelled")   # not landed: on_done must not run for this piece
-            src.read_into(buf[:min(READ_BYTES, piece.end - off)], off)
+            if not read(buf[:min(READ_BYTES, piece.end - off)], off):
+                return
 
     def _advise(self, fd: int, piece: Piece) -> None:
         """``posix_fadvise(WILLNEED)``: the kernel queues the whole piece at once. Not at idle
@@ -275,16 +285,8 @@ class PrefetchHandle:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             return   # gone or unreadable: the import will say so, not the prefetch
-        try:
-            self._advise(fd, piece)
-            if self._method == "advise":
-                return
-            buf = self._buffers[worker]
-            for off in range(piece.offset, piece.end, READ_BYTES):
-                if self._job.cancelled():
-                    raise Cancelled("cancelled")
-                if os.preadv(fd, [memoryview(buf)[:min(READ_BYTES, piece.end - off)]], off) <= 0:
-                    return   # shorter than listed (rewritten): nothing more to warm
+        try:   # shorter than listed (rewritten): nothing more to warm
+            self._warm_piece(worker, fd, piece, lambda view, off: os.preadv(fd, [view], off) > 0)
         finally:
             os.close(fd)
 

@@ -16,6 +16,10 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
     2w  2, with fs.warmup(DEV, background=True) right after importing foxhunt_stream
     2p  2, with fs.prefetch(dir, modules=("torch", "nvidia", "transformers")) as the very first
         statement, before torch is imported (the packages' files are read first, then the weights)
+    2t  2, with fs.prefetch(dir, imports=TRACE) first: the files an earlier start loaded
+        (``fs.warm.record_imports``, which each 2t run calls after its forward) are read first,
+        in the order they were needed, then the weights; a cold run with no trace yet gets a
+        hot 2t run first that records one (not counted)
     3   meta model + safetensors load_file(device=...) per shard + load_state_dict(assign=True)
 
 Each variant ends with a 1-token forward and torch.cuda.synchronize(); the child reports
@@ -43,7 +47,8 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2w", "2p", "3")
+VARIANTS = ("F", "E", "1", "2", "2w", "2p", "2t", "3")
+DEFAULT_TRACE = os.path.join("/tmp", "foxhunt_startup_imports.txt")
 LABELS = {
     "F": "floor (imports, CUDA, meta model)",
     "E": "empty model + forward (no weights)",
@@ -51,6 +56,7 @@ LABELS = {
     "2": "meta + to_empty + fs.torch.load_model",
     "2w": "2 + fs.warmup(background=True) first",
     "2p": "2 + fs.prefetch first",
+    "2t": "2 + fs.prefetch(imports=trace) first",
     "3": "safetensors load_file + assign",
 }
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -118,7 +124,7 @@ def fix_rotary(model, dev):
 '''
 
 
-def child_program(variant: str, directory: str, device: str) -> str:
+def child_program(variant: str, directory: str, device: str, trace: str = DEFAULT_TRACE) -> str:
     """The ``python -c`` program of one variant. Stamps are time.time() (comparable with the
     parent's spawn time); the last line printed is ``RESULT {json}``."""
     cuda = device.startswith("cuda")
@@ -129,6 +135,12 @@ def child_program(variant: str, directory: str, device: str) -> str:
         pre = f"""
 import foxhunt_stream as fs
 PF = fs.prefetch({directory!r}, modules=("torch", "nvidia", "transformers"))
+T["prefetch_started"] = time.time()
+"""
+    elif variant == "2t":
+        pre = f"""
+import foxhunt_stream as fs
+PF = fs.prefetch({directory!r}, imports={trace!r})
 T["prefetch_started"] = time.time()
 """
     head = f"""
@@ -190,7 +202,7 @@ T["load"] = time.time()
 forward(model)
 T["forward"] = time.time()
 """
-    elif variant in ("2", "2w", "2p"):
+    elif variant in ("2", "2w", "2p", "2t"):
         body = """
 import foxhunt_stream as fs
 import foxhunt_stream.torch
@@ -209,7 +221,7 @@ fix_rotary(model, DEV)
 forward(model)
 T["forward"] = time.time()
 """
-        if variant == "2p":
+        if variant in ("2p", "2t"):
             body += """
 T["prefetch_bytes"] = PF.bytes_done
 T["prefetch_total"] = PF.nbytes
@@ -239,6 +251,8 @@ T["forward"] = time.time()
     tail = """
 T["done"] = time.time()
 extra = {"warmup": WARMUP} if "WARMUP" in globals() else {}
+""" + (f"""extra["trace_files"] = fs.warm.record_imports({trace!r})   # for the next start: after the timing
+""" if variant == "2t" else "") + """
 print("RESULT " + json.dumps({"stamps": T, "notes": NOTES, **extra}), flush=True)
 """
     return textwrap.dedent(head) + textwrap.dedent(body) + textwrap.dedent(tail)
@@ -260,10 +274,10 @@ def warm_cache(files: list[str]) -> None:
                 pass
 
 
-def run_variant(variant: str, directory: str, device: str, timeout: float) -> dict:
+def run_variant(variant: str, directory: str, device: str, timeout: float, trace: str = DEFAULT_TRACE) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    code = child_program(variant, directory, device)
+    code = child_program(variant, directory, device, trace)
     spawn = time.time()
     try:
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
@@ -280,6 +294,8 @@ def run_variant(variant: str, directory: str, device: str, timeout: float) -> di
            "phases_s": _phases(spawn, stamps)}
     if "warmup" in result:
         out["fs_warmup_detail_s"] = result["warmup"]
+    if "trace_files" in result:
+        out["trace_files"] = result["trace_files"]
     if result.get("notes"):
         out["notes"] = result["notes"]
     for k in ("prefetch_bytes", "prefetch_total", "prefetch_module_bytes"):
@@ -440,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--append", action="store_true",
                     help="add to the runs already in --json (split a long benchmark over several commands)")
     ap.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")
+    ap.add_argument("--imports-trace", default=DEFAULT_TRACE,
+                    help=f"variant 2t's import trace (written by each 2t run; default {DEFAULT_TRACE})")
     args = ap.parse_args(argv)
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -469,6 +487,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--append: {args.json} measured another checkpoint ({old.get('checkpoint_bytes')} bytes)")
         runs = old["runs"]
         print(f"appending to the {len(runs)} run(s) already in {args.json}")
+    if "cold" in modes and "2t" in variants and not os.path.exists(args.imports_trace):
+        warm_cache(files)
+        r = run_variant("2t", directory, args.device, args.timeout, args.imports_trace)
+        print(f"recorded the import trace {args.imports_trace} in an uncounted hot 2t run: "
+              f"{r.get('trace_files', r.get('error'))}", flush=True)
     for mode in modes:
         for rep in range(args.repeat):
             for v in variants:
@@ -476,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                     warm_cache(files)
                 else:
                     drop_caches()
-                r = run_variant(v, directory, args.device, args.timeout)
+                r = run_variant(v, directory, args.device, args.timeout, args.imports_trace)
                 r.update(variant=v, mode=mode, repeat=rep)
                 runs.append(r)
                 status = f"{r['total_s']:.2f} s" if "total_s" in r else "FAILED: " + r["error"].splitlines()[-1][:200]

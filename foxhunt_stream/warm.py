@@ -153,6 +153,141 @@ def module_files(modules: Sequence[str]) -> list[tuple[str, int]]:
     return out
 
 
+TRACE_HEADER = "# foxhunt-stream import trace v1"
+
+
+def _is_shared_object(name: str) -> bool:
+    return name.endswith((".so", ".pyd", ".dylib")) or ".so." in name
+
+
+def _package_root(path: str, roots: Sequence[str]) -> str:
+    """The top-level package directory ``path`` belongs to (``.../site-packages/torch``), found
+    against the import roots (``sys.path``, longest first); else its own directory."""
+    for r in roots:
+        if path.startswith(r + os.sep):
+            return os.path.join(r, path[len(r) + 1:].split(os.sep, 1)[0])
+    return os.path.dirname(path)
+
+
+def order_loaded_files(modules: Sequence[tuple[str | None, str | None]], mapped: Sequence[str],
+                       roots: Sequence[str]) -> list[str]:
+    """Pure: the order a restart reads code in. ``modules``: ``(__file__, __cached__)`` of each
+    module in import order (``sys.modules`` keeps it); the bytecode stands for a module when it
+    has any (Python reads the ``.pyc``, not the source). ``mapped``: shared objects mapped into
+    the process (``/proc/self/maps``): each goes right before the first module of its package
+    (``libtorch_cuda.so`` before ``torch/__init__``: ``import torch`` loads it), those of no
+    imported package (CUDA's libraries, loaded by path) first. Duplicates dropped."""
+    roots = sorted({r.rstrip(os.sep) for r in roots if r}, key=len, reverse=True)
+    code: list[str] = []
+    seen: set[str] = set()
+    for file, cached in modules:
+        f = cached or file
+        if f and f not in seen:
+            seen.add(f)
+            code.append(f)
+    first: dict[str, int] = {}
+    for i, f in enumerate(code):
+        first.setdefault(_package_root(f, roots), i)
+    before: dict[int, list[str]] = {}
+    for lib in mapped:
+        if lib in seen:
+            continue
+        seen.add(lib)
+        before.setdefault(first.get(_package_root(lib, roots), -1), []).append(lib)
+    out = list(before.get(-1, []))
+    for i, f in enumerate(code):
+        out += before.get(i, [])
+        out.append(f)
+    return out
+
+
+def loaded_files() -> list[str]:
+    """The code files this process has loaded so far (bytecode, extension modules, shared
+    libraries), in the order a restart needs them (``order_loaded_files``). Record it once the
+    server answers (``record_imports``) and replay it with ``prefetch(..., imports=)``."""
+    import sys
+
+    def real(f) -> str | None:
+        if not isinstance(f, str) or not f:
+            return None
+        try:
+            return os.path.realpath(f) if os.path.isfile(f) else None
+        except (OSError, ValueError):
+            return None
+    mods = [(real(getattr(m, "__file__", None)), real(getattr(m, "__cached__", None)))
+            for m in list(sys.modules.values())]
+    mapped: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and _is_shared_object(os.path.basename(parts[5].strip())):
+                    f = real(parts[5].strip())
+                    if f:
+                        mapped.append(f)
+    except OSError:   # not Linux: the modules' own files only
+        pass
+    roots = [os.path.realpath(p) for p in sys.path if isinstance(p, str) and p and os.path.isdir(p)]
+    return order_loaded_files(mods, mapped, roots)
+
+
+def record_imports(path: str | os.PathLike) -> int:
+    """Write this process's ``loaded_files()`` to ``path`` (a text file, one path per line,
+    replaced atomically) for the next start's ``prefetch(..., imports=path)``; returns the count.
+
+    Call it once the model has answered (the first forward loads cuBLAS and friends too)."""
+    files = loaded_files()
+    path = os.fspath(path)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(TRACE_HEADER + "\n")
+            f.writelines(p + "\n" for p in files if "\n" not in p)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return len(files)
+
+
+def parse_import_trace(text: str) -> list[str]:
+    """Pure: the paths of a trace written by ``record_imports`` (blank and ``#`` lines skipped)."""
+    return [line for line in (raw.strip() for raw in text.splitlines()) if line and not line.startswith("#")]
+
+
+def trace_files(path: str | os.PathLike) -> list[tuple[str, int]]:
+    """``(path, size)`` of a trace's files that still exist; a missing trace (the first start)
+    lists nothing."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            listed = parse_import_trace(f.read())
+    except FileNotFoundError:
+        return []
+    out: list[tuple[str, int]] = []
+    for p in listed:
+        try:
+            size = os.stat(p).st_size
+        except OSError:   # uninstalled or upgraded since: the import will find its own files
+            continue
+        if size:
+            out.append((p, size))
+    return out
+
+
+def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> list[tuple[str, int]]:
+    """What a prefetch reads before the checkpoint: the import trace's files in its order, then
+    the named packages' files not already listed."""
+    out = trace_files(imports) if imports is not None else []
+    if modules:
+        listed = {p for p, _ in out}
+        out += [f for f in module_files(modules) if f[0] not in listed]
+    return out
+
+
 _live: "weakref.WeakSet[PrefetchHandle]" = weakref.WeakSet()
 _live_lock = threading.Lock()
 
@@ -174,8 +309,8 @@ class PrefetchHandle:
                  name_pieces: dict[str, tuple[int, int]], threads: int, method: str,
                  priority: str = "normal", modules_first: tuple | None = None) -> None:
         self.paths = list(ck.paths)
-        # modules_first = (packages, piece bytes, skip_resident): their files are found and read
-        # on the readers' threads before the checkpoint's pieces (see module_files); a piece
+        # modules_first = (packages, import trace, piece bytes, skip_resident): their files are
+        # found and read on the readers' threads before the checkpoint's pieces (code_files); a piece
         # with file >= len(paths) reads module_paths[file - len(paths)], opened per piece
         # (thousands of small files: no descriptor is held between pieces)
         self.module_paths: list[str] = []
@@ -211,10 +346,11 @@ class PrefetchHandle:
                                                     name="foxhunt-prefetch-modules", daemon=True)
             self._modules_thread.start()
 
-    def _modules_then_checkpoint(self, threads: int, modules, piece_bytes: int, skip_resident: bool) -> None:
+    def _modules_then_checkpoint(self, threads: int, modules, imports, piece_bytes: int,
+                                 skip_resident: bool) -> None:
         try:
             try:
-                files = module_files(modules)
+                files = code_files(modules, imports)
                 if skip_resident:   # big libraries already in memory (a hot start): nothing to read
                     files = [(p, n) for p, n in files if n < (16 << 20) or resident_fraction(p, samples=64) < 1.0]
             except Exception:   # noqa: BLE001 - best effort like the reads: the checkpoint still warms
@@ -367,7 +503,8 @@ def _close_sources(sources: dict[int, FileSource]) -> None:
 
 
 def prefetch(source, names: Names = None, *, method: str = "read", skip_resident: bool = True,
-             priority: str = "idle", modules: Sequence[str] = (), **options) -> PrefetchHandle:
+             priority: str = "idle", modules: Sequence[str] = (), imports: str | os.PathLike | None = None,
+             **options) -> PrefetchHandle:
     """Start warming the page cache with a checkpoint's bytes; returns at once with a handle.
 
     ``source`` and ``names`` are as in ``load_file`` (``names=None``: whole files). ``method``:
@@ -382,6 +519,9 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     ``modules``: top-level packages the process is about to import (``("torch", "nvidia",
     "transformers")``), whose libraries and bytecode are read first (``module_files``): on a cold
     start the imports then find them in memory instead of waiting behind the checkpoint's reads.
+    ``imports``: a trace written by ``record_imports`` at an earlier start: exactly the files
+    that start loaded (the packages' dependencies and the standard library too), read first in
+    the order they were needed; a missing trace (the first start) reads nothing extra.
     Needs neither torch nor cupy; call it before importing them.
     """
     if method not in METHODS:
@@ -425,7 +565,9 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     except BaseException:
         _close_sources(sources)
         raise
-    modules_first = (tuple(modules), s.chunk_bytes, skip_resident) if modules else None
+    if imports is not None:
+        imports = os.path.expanduser(os.fspath(imports))
+    modules_first = (tuple(modules), imports, s.chunk_bytes, skip_resident) if modules or imports else None
     return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method, priority, modules_first)
 
 

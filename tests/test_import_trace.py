@@ -1,0 +1,169 @@
+"""Import traces for a cold start: ``record_imports`` writes the code files this process loaded,
+in the order a restart needs them, and ``prefetch(..., imports=trace)`` reads them before the
+checkpoint, so the next start's imports find their files in memory instead of queueing on the
+disk behind the weights. No torch, no GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import foxhunt_stream as fs
+from foxhunt_stream import warm
+from foxhunt_stream.warm import order_loaded_files, parse_import_trace, trace_files
+
+SP = os.path.join(os.sep, "py", "site-packages")
+STD = os.path.join(os.sep, "py", "lib")
+
+
+def p(*parts: str) -> str:
+    return os.path.join(*parts)
+
+
+def test_bytecode_stands_for_its_module_and_import_order_is_kept():
+    mods = [(p(STD, "os.py"), p(STD, "__pycache__", "os.pyc")),
+            (p(SP, "pkg", "__init__.py"), None),   # no bytecode written: the source is read
+            (None, None),                          # built-in or frozen: no file
+            (p(STD, "os.py"), p(STD, "__pycache__", "os.pyc")),   # listed twice: once
+            (p(SP, "pkg", "_ext.so"), None)]
+    assert order_loaded_files(mods, [], [STD, SP]) == [
+        p(STD, "__pycache__", "os.pyc"), p(SP, "pkg", "__init__.py"), p(SP, "pkg", "_ext.so")]
+
+
+def test_shared_libraries_go_before_the_first_module_of_their_package():
+    """``import torch`` maps libtorch_cuda.so while running torch/__init__: the library is needed
+    as soon as the package's first module, not at the end of the trace. Libraries of no imported
+    package (CUDA's, loaded by path) come first; a library already listed as a module is not
+    listed again."""
+    mods = [(p(STD, "os.py"), p(STD, "os.pyc")),
+            (p(SP, "torch", "__init__.py"), p(SP, "torch", "__init__.pyc")),
+            (p(SP, "torch", "_C.so"), None),
+            (p(SP, "numpy", "__init__.py"), p(SP, "numpy", "__init__.pyc"))]
+    mapped = [p(SP, "numpy.libs", "libopenblas.so"), p(SP, "torch", "lib", "libtorch_cuda.so"),
+              p(SP, "torch", "_C.so"), p(SP, "nvidia", "cublas", "lib", "libcublas.so.12"),
+              p(SP, "numpy", "core", "_multiarray.so"), p(SP, "torch", "lib", "libc10.so")]
+    assert order_loaded_files(mods, mapped, [SP, STD, ""]) == [
+        p(SP, "numpy.libs", "libopenblas.so"), p(SP, "nvidia", "cublas", "lib", "libcublas.so.12"),
+        p(STD, "os.pyc"),
+        p(SP, "torch", "lib", "libtorch_cuda.so"), p(SP, "torch", "lib", "libc10.so"),
+        p(SP, "torch", "__init__.pyc"), p(SP, "torch", "_C.so"),
+        p(SP, "numpy", "core", "_multiarray.so"), p(SP, "numpy", "__init__.pyc")]
+
+
+def test_the_longest_import_root_names_the_package():
+    """A virtualenv inside a project: ``/py/site-packages`` is under ``/py``; a file there belongs to
+    its site-packages package, not to a package called ``site-packages``."""
+    mods = [(p(SP, "a", "__init__.py"), None), (p(SP, "b", "__init__.py"), None)]
+    mapped = [p(SP, "b", "libb.so")]
+    assert order_loaded_files(mods, mapped, [os.path.dirname(SP), SP]) == [
+        p(SP, "a", "__init__.py"), p(SP, "b", "libb.so"), p(SP, "b", "__init__.py")]
+
+
+def test_parse_skips_comments_and_blank_lines():
+    assert parse_import_trace("# foxhunt-stream import trace v1\n/a.pyc\n\n  /b.so  \n# note\n") == ["/a.pyc", "/b.so"]
+
+
+def test_trace_files_skips_what_is_gone_and_a_missing_trace_lists_nothing(tmp_path):
+    a = tmp_path / "a.pyc"
+    a.write_bytes(b"x" * 100)
+    (tmp_path / "empty.pyc").write_bytes(b"")
+    trace = tmp_path / "t.txt"
+    trace.write_text(f"{warm.TRACE_HEADER}\n{tmp_path / 'gone.so'}\n{a}\n{tmp_path / 'empty.pyc'}\n")
+    assert trace_files(trace) == [(str(a), 100)]
+    assert trace_files(tmp_path / "no-trace-yet.txt") == []
+
+
+def test_record_imports_lists_this_process_code_in_import_order(tmp_path):
+    """In a fresh interpreter: the trace holds foxhunt_stream's and the stdlib's bytecode (or
+    source), a module imported later is listed later, and only the trace file is left behind."""
+    trace = tmp_path / "sub" / "imports.txt"
+    code = ("import sys; sys.path.insert(0, sys.argv[2])\n"
+            "import foxhunt_stream.warm as w\n"
+            "import colorsys\n"
+            "print(w.record_imports(sys.argv[1]))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fs.__file__)))
+    out = subprocess.run([sys.executable, "-c", code, str(trace), root], capture_output=True, text=True,
+                         check=True, timeout=60)
+    lines = trace.read_text().splitlines()
+    assert lines[0] == warm.TRACE_HEADER
+    files = lines[1:]
+    assert int(out.stdout.strip()) == len(files) and len(files) == len(set(files))
+    assert all(os.path.isabs(f) and os.path.isfile(f) for f in files)
+
+    def index(fragment: str) -> int:
+        hits = [i for i, f in enumerate(files) if fragment in f]
+        assert hits, f"{fragment} not in the trace"
+        return hits[0]
+    assert index("colorsys.") > index(os.path.join("foxhunt_stream", ""))   # imported later: listed later
+    assert sorted(os.listdir(trace.parent)) == ["imports.txt"]
+
+
+def _checkpoint(tmp_path) -> str:
+    rng = np.random.default_rng(0)
+    path = str(tmp_path / "s.safetensors")
+    fs.save_file({f"t{i}": rng.standard_normal(4096).astype(np.float32) for i in range(4)}, path)
+    return path
+
+
+def test_prefetch_reads_the_trace_in_order_then_the_checkpoint(tmp_path, monkeypatch):
+    files = []
+    for i, size in enumerate([20_000, 300, 5_000]):
+        f = tmp_path / f"lib{i}.so"
+        f.write_bytes(bytes([i + 1]) * size)
+        files.append(str(f))
+    trace = tmp_path / "imports.txt"
+    trace.write_text(warm.TRACE_HEADER + "\n" + "\n".join([files[0], str(tmp_path / "gone.pyc"), *files[1:]]) + "\n")
+    path = _checkpoint(tmp_path)
+    order: list[str] = []
+    real = warm.PrefetchHandle._work
+
+    def work(self, worker, piece):
+        order.append(self.module_paths[piece.file - len(self.paths)] if piece.file >= len(self.paths) else "checkpoint")
+        return real(self, worker, piece)
+    monkeypatch.setattr(warm.PrefetchHandle, "_work", work)
+    h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, imports=trace)
+    h.wait()
+    assert order[:5] == [files[0]] * 3 + [files[1], files[2]]   # 20 000 bytes = three 8 KiB pieces
+    assert set(order[5:]) == {"checkpoint"}
+    assert h.module_bytes == 25_300 and h.bytes_done == h.nbytes == os.path.getsize(path)
+
+
+def test_prefetch_with_modules_and_a_trace_reads_each_file_once(tmp_path, monkeypatch):
+    root = tmp_path / "site"
+    pkg = root / "fhtracepkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_a.so").write_bytes(b"a" * 1000)
+    (pkg / "_b.so").write_bytes(b"b" * 2000)
+    monkeypatch.syspath_prepend(str(root))
+    trace = tmp_path / "imports.txt"
+    trace.write_text(f"{warm.TRACE_HEADER}\n{os.path.realpath(pkg / '_a.so')}\n")
+    path = _checkpoint(tmp_path)
+    h = fs.prefetch(path, skip_resident=False, threads=1, imports=str(trace), modules=["fhtracepkg"])
+    h.wait()
+    assert [os.path.basename(f) for f in h.module_paths] == ["_a.so", "_b.so"] and h.module_bytes == 3000
+
+
+def test_prefetch_with_no_trace_yet_reads_the_checkpoint_only(tmp_path):
+    path = _checkpoint(tmp_path)
+    h = fs.prefetch(path, skip_resident=False, imports=tmp_path / "first-start.txt")
+    h.wait()
+    assert h.done() and h.module_paths == [] and h.bytes_done == os.path.getsize(path)
+    assert not {t for t in threading.enumerate() if t.name.startswith("foxhunt-prefetch")}
+
+
+def test_record_imports_leaves_no_debris_when_it_cannot_write(tmp_path, monkeypatch):
+    target = tmp_path / "imports.txt"
+    target.write_text("old trace\n")
+
+    def broken(src, dst):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", broken)
+    with pytest.raises(OSError, match="disk full"):
+        warm.record_imports(target)
+    assert target.read_text() == "old trace\n" and sorted(os.listdir(tmp_path)) == ["imports.txt"]

@@ -20,6 +20,7 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
         (``fs.warm.record_imports``, which each 2t run calls after its forward) are read first,
         in the order they were needed, then the weights; a cold run with no trace yet gets a
         hot 2t run first that records one (not counted)
+    2tn 2t with priority="normal": the weights read by 8 hinted readers, not 2 idle ones
     3   meta model + safetensors load_file(device=...) per shard + load_state_dict(assign=True)
 
 Each variant ends with a 1-token forward and torch.cuda.synchronize(); the child reports
@@ -47,7 +48,7 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2w", "2p", "2t", "3")
+VARIANTS = ("F", "E", "1", "2", "2w", "2p", "2t", "2tn", "3")
 DEFAULT_TRACE = os.path.join("/tmp", "foxhunt_startup_imports.txt")
 LABELS = {
     "F": "floor (imports, CUDA, meta model)",
@@ -57,6 +58,7 @@ LABELS = {
     "2w": "2 + fs.warmup(background=True) first",
     "2p": "2 + fs.prefetch first",
     "2t": "2 + fs.prefetch(imports=trace) first",
+    "2tn": "2t, prefetch priority normal",
     "3": "safetensors load_file + assign",
 }
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -137,10 +139,11 @@ import foxhunt_stream as fs
 PF = fs.prefetch({directory!r}, modules=("torch", "nvidia", "transformers"))
 T["prefetch_started"] = time.time()
 """
-    elif variant == "2t":
+    elif variant in ("2t", "2tn"):
+        prio = ', priority="normal"' if variant == "2tn" else ""
         pre = f"""
 import foxhunt_stream as fs
-PF = fs.prefetch({directory!r}, imports={trace!r})
+PF = fs.prefetch({directory!r}, imports={trace!r}{prio})
 T["prefetch_started"] = time.time()
 """
     head = f"""
@@ -202,7 +205,7 @@ T["load"] = time.time()
 forward(model)
 T["forward"] = time.time()
 """
-    elif variant in ("2", "2w", "2p", "2t"):
+    elif variant in ("2", "2w", "2p", "2t", "2tn"):
         body = """
 import foxhunt_stream as fs
 import foxhunt_stream.torch
@@ -221,7 +224,7 @@ fix_rotary(model, DEV)
 forward(model)
 T["forward"] = time.time()
 """
-        if variant in ("2p", "2t"):
+        if variant in ("2p", "2t", "2tn"):
             body += """
 T["prefetch_bytes"] = PF.bytes_done
 T["prefetch_total"] = PF.nbytes
@@ -252,7 +255,7 @@ T["forward"] = time.time()
 T["done"] = time.time()
 extra = {"warmup": WARMUP} if "WARMUP" in globals() else {}
 """ + (f"""extra["trace_files"] = fs.warm.record_imports({trace!r})   # for the next start: after the timing
-""" if variant == "2t" else "") + """
+""" if variant in ("2t", "2tn") else "") + """
 print("RESULT " + json.dumps({"stamps": T, "notes": NOTES, **extra}), flush=True)
 """
     return textwrap.dedent(head) + textwrap.dedent(body) + textwrap.dedent(tail)
@@ -487,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--append: {args.json} measured another checkpoint ({old.get('checkpoint_bytes')} bytes)")
         runs = old["runs"]
         print(f"appending to the {len(runs)} run(s) already in {args.json}")
-    if "cold" in modes and "2t" in variants and not os.path.exists(args.imports_trace):
+    if "cold" in modes and {"2t", "2tn"} & set(variants) and not os.path.exists(args.imports_trace):
         warm_cache(files)
         r = run_variant("2t", directory, args.device, args.timeout, args.imports_trace)
         print(f"recorded the import trace {args.imports_trace} in an uncounted hot 2t run: "

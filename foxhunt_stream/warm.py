@@ -38,6 +38,7 @@ METHODS = ("read", "advise")
 PRIORITIES = ("idle", "normal")
 DEFAULT_THREADS = 8    # readers when the caller names none (at most the loader's thread count)
 IDLE_THREADS = 2       # ... with priority="idle": a shallow queue in front of the imports' reads
+CODE_THREADS = 8       # readers of the code files (modules=, imports=): what the imports wait for
 
 _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 _IOPRIO_WHO_PROCESS, _IOPRIO_CLASS_IDLE, _IOPRIO_CLASS_SHIFT = 1, 3, 13
@@ -154,6 +155,7 @@ def module_files(modules: Sequence[str]) -> list[tuple[str, int]]:
 
 
 TRACE_HEADER = "# foxhunt-stream import trace v1"
+MERGE_GAP = 1 << 20   # touched ranges of a library closer than this are read as one
 
 
 def _is_shared_object(name: str) -> bool:
@@ -201,6 +203,65 @@ def order_loaded_files(modules: Sequence[tuple[str | None, str | None]], mapped:
     return out
 
 
+def merge_ranges(ranges: Sequence[tuple[int, int]], gap: int = MERGE_GAP) -> list[tuple[int, int]]:
+    """Pure: ``(start, end)`` byte ranges sorted and merged where they overlap or lie less than
+    ``gap`` apart (one big read beats many small ones on a disk)."""
+    out: list[list[int]] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if out and a <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def present_runs(entries: np.ndarray) -> list[tuple[int, int]]:
+    """Pure: ``[i, j)`` runs of pages whose ``/proc/self/pagemap`` entry has the present bit (63)."""
+    present = np.concatenate(([False], (entries >> np.uint64(63)).astype(bool), [False]))
+    edges = np.flatnonzero(present[1:] != present[:-1])
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def mapped_libraries() -> dict[str, list[tuple[int, int]]]:
+    """The shared objects mapped into this process and, per file, the byte ranges its code has
+    touched (pages present in this process's page tables, ``/proc/self/pagemap``): for torch's
+    CUDA libraries a fraction of each file, which a replay reads instead of the whole file.
+    A library whose pages cannot be inspected gets ``[]`` (read it whole); {} off Linux."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    out: dict[str, list[tuple[int, int]]] = {}
+    try:
+        maps = open("/proc/self/maps")
+    except OSError:
+        return out
+    try:
+        pagemap = open("/proc/self/pagemap", "rb", buffering=0)
+    except OSError:
+        pagemap = None
+    with maps:
+        for line in maps:
+            parts = line.split(None, 5)
+            if len(parts) < 6 or not _is_shared_object(os.path.basename(parts[5].strip())):
+                continue
+            path = os.path.realpath(parts[5].strip())
+            if not os.path.isfile(path):
+                continue
+            ranges = out.setdefault(path, [])
+            if pagemap is None:
+                continue
+            try:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                offset = int(parts[2], 16)
+                pagemap.seek(lo // page * 8)
+                entries = np.frombuffer(pagemap.read((hi - lo) // page * 8), dtype="<u8")
+            except (OSError, ValueError):
+                out[path] = []
+                continue
+            ranges += [(offset + i * page, offset + j * page) for i, j in present_runs(entries)]
+    if pagemap is not None:
+        pagemap.close()
+    return {p: merge_ranges(r) for p, r in out.items()}
+
+
 def loaded_files() -> list[str]:
     """The code files this process has loaded so far (bytecode, extension modules, shared
     libraries), in the order a restart needs them (``order_loaded_files``). Record it once the
@@ -216,34 +277,37 @@ def loaded_files() -> list[str]:
             return None
     mods = [(real(getattr(m, "__file__", None)), real(getattr(m, "__cached__", None)))
             for m in list(sys.modules.values())]
-    mapped: list[str] = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                parts = line.split(None, 5)
-                if len(parts) == 6 and _is_shared_object(os.path.basename(parts[5].strip())):
-                    f = real(parts[5].strip())
-                    if f:
-                        mapped.append(f)
-    except OSError:   # not Linux: the modules' own files only
-        pass
+    mapped = list(mapped_libraries())   # not Linux: the modules' own files only
     roots = [os.path.realpath(p) for p in sys.path if isinstance(p, str) and p and os.path.isdir(p)]
     return order_loaded_files(mods, mapped, roots)
 
 
+def format_trace(files: Sequence[str], ranges: dict[str, list[tuple[int, int]]]) -> str:
+    """Pure: the trace text: one file per line, whole (bytecode) or, after a tab, the byte
+    ranges to read (``start+length`` comma list: the touched parts of a shared library)."""
+    lines = [TRACE_HEADER]
+    for p in files:
+        if "\n" in p or "\t" in p:
+            continue
+        r = ranges.get(p)
+        lines.append(p + ("\t" + ",".join(f"{a}+{b - a}" for a, b in r) if r else ""))
+    return "\n".join(lines) + "\n"
+
+
 def record_imports(path: str | os.PathLike) -> int:
-    """Write this process's ``loaded_files()`` to ``path`` (a text file, one path per line,
-    replaced atomically) for the next start's ``prefetch(..., imports=path)``; returns the count.
+    """Write this process's ``loaded_files()`` to ``path`` (text, replaced atomically) for the
+    next start's ``prefetch(..., imports=path)``; returns how many files it lists. Shared
+    libraries are listed with the byte ranges this process touched (``mapped_libraries``).
 
     Call it once the model has answered (the first forward loads cuBLAS and friends too)."""
     files = loaded_files()
+    text = format_trace(files, mapped_libraries())
     path = os.fspath(path)
     tmp = f"{path}.{os.getpid()}.tmp"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(TRACE_HEADER + "\n")
-            f.writelines(p + "\n" for p in files if "\n" not in p)
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -254,38 +318,79 @@ def record_imports(path: str | os.PathLike) -> int:
     return len(files)
 
 
-def parse_import_trace(text: str) -> list[str]:
-    """Pure: the paths of a trace written by ``record_imports`` (blank and ``#`` lines skipped)."""
-    return [line for line in (raw.strip() for raw in text.splitlines()) if line and not line.startswith("#")]
+def parse_import_trace(text: str) -> list[tuple[str, list[tuple[int, int]] | None]]:
+    """Pure: ``(path, ranges)`` per line of a trace (``format_trace``); ranges ``None`` means the
+    whole file. Blank and ``#`` lines are skipped, as are ranges that do not parse."""
+    out: list[tuple[str, list[tuple[int, int]] | None]] = []
+    for raw in text.splitlines():
+        line = raw.strip("\r\n")
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        path, _, spec = line.partition("\t")
+        ranges: list[tuple[int, int]] | None = None
+        if spec.strip():
+            try:
+                ranges = [(int(a), int(a) + int(n)) for a, n in (r.split("+") for r in spec.split(","))]
+            except ValueError:
+                ranges = None
+            if ranges is not None and any(a < 0 or b <= a for a, b in ranges):
+                ranges = None
+        out.append((path.strip(), ranges))
+    return out
 
 
-def trace_files(path: str | os.PathLike) -> list[tuple[str, int]]:
-    """``(path, size)`` of a trace's files that still exist; a missing trace (the first start)
-    lists nothing."""
+CodeFile = tuple[str, list[tuple[int, int]]]   # a file and the (start, end) ranges to read
+
+
+def trace_files(path: str | os.PathLike) -> list[CodeFile]:
+    """The files of a trace that still exist, with the ranges to read (clipped to the file's
+    size now); a missing trace (the first start) lists nothing."""
     try:
         with open(path, encoding="utf-8") as f:
             listed = parse_import_trace(f.read())
     except FileNotFoundError:
         return []
-    out: list[tuple[str, int]] = []
-    for p in listed:
+    out: list[CodeFile] = []
+    for p, ranges in listed:
         try:
             size = os.stat(p).st_size
         except OSError:   # uninstalled or upgraded since: the import will find its own files
             continue
-        if size:
-            out.append((p, size))
+        spans = [(a, min(b, size)) for a, b in (ranges or [(0, size)]) if a < size]
+        if spans:
+            out.append((p, spans))
     return out
 
 
-def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> list[tuple[str, int]]:
+def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> list[CodeFile]:
     """What a prefetch reads before the checkpoint: the import trace's files in its order, then
-    the named packages' files not already listed."""
+    the named packages' files not already listed (whole)."""
     out = trace_files(imports) if imports is not None else []
     if modules:
         listed = {p for p, _ in out}
-        out += [f for f in module_files(modules) if f[0] not in listed]
+        out += [(p, [(0, n)]) for p, n in module_files(modules) if p not in listed]
     return out
+
+
+def warm_metadata(files: Sequence[str]) -> None:
+    """What an import touches besides the bytecode: the listing of each package directory and the
+    source file's ``stat`` (the bytecode is checked against it). After ``drop_caches`` these are
+    small random reads of directories and inodes; done ahead, the import finds them cached."""
+    listed: set[str] = set()
+    for p in files:
+        d = os.path.dirname(p)
+        if os.path.basename(d) == "__pycache__":   # pkg/__pycache__/mod.cpython-312.pyc -> pkg, pkg/mod.py
+            d = os.path.dirname(d)
+            try:
+                os.stat(os.path.join(d, os.path.basename(p).split(".", 1)[0] + ".py"))
+            except OSError:
+                pass
+        if d not in listed:
+            listed.add(d)
+            try:
+                os.listdir(d)
+            except OSError:
+                pass
 
 
 _live: "weakref.WeakSet[PrefetchHandle]" = weakref.WeakSet()
@@ -327,6 +432,7 @@ class PrefetchHandle:
         self._bytes_done = 0
         self._cond = threading.Condition()
         self._buffers: list[np.ndarray | None] = [None] * max(1, threads)
+        self._code_buffers: list[np.ndarray | None] = [None] * CODE_THREADS
         self._closer = weakref.finalize(self, _close_sources, sources)
         self.started = time.perf_counter()
         self.finished: float | None = None
@@ -351,20 +457,26 @@ class PrefetchHandle:
         try:
             try:
                 files = code_files(modules, imports)
+                if files:   # directories and inodes on their own thread, beside the reads
+                    threading.Thread(target=warm_metadata, args=([p for p, _ in files],),
+                                     name="foxhunt-prefetch-metadata", daemon=True).start()
                 if skip_resident:   # big libraries already in memory (a hot start): nothing to read
-                    files = [(p, n) for p, n in files if n < (16 << 20) or resident_fraction(p, samples=64) < 1.0]
+                    files = [(p, r) for p, r in files
+                             if r[-1][1] < (16 << 20) or resident_fraction(p, samples=64) < 1.0]
             except Exception:   # noqa: BLE001 - best effort like the reads: the checkpoint still warms
                 log.debug("prefetch: finding the modules' files failed", exc_info=True)
                 files = []
             self.module_paths = [p for p, _ in files]
             n = len(self.paths)
-            pieces = [Piece(n + i, off, min(piece_bytes, size - off))
-                      for i, (_, size) in enumerate(files) for off in range(0, size, piece_bytes)]
+            pieces = [Piece(n + i, off, min(piece_bytes, b - off))
+                      for i, (_, ranges) in enumerate(files) for a, b in ranges for off in range(a, b, piece_bytes)]
 
             def counted(_i: int, piece: Piece, _result) -> None:
                 self.module_bytes += piece.length   # under the GIL; a progress figure only
             if pieces and not self._job.cancelled():
-                job = Job(pieces, self._work, threads, counted, name="foxhunt-prefetch", setup=self._setup).start()
+                # the imports are waiting for these: at normal priority, hinted, a deep queue
+                job = Job(pieces, self._read_module_file, CODE_THREADS, counted, name="foxhunt-prefetch",
+                          setup=self._setup_code).start()
                 try:
                     job.wait()
                 except BaseException:   # noqa: BLE001 - warming imports is best effort
@@ -379,24 +491,27 @@ class PrefetchHandle:
         if self._method == "read":
             self._buffers[worker] = np.empty(READ_BYTES, np.uint8)
 
+    def _setup_code(self, worker: int) -> None:
+        if self._method == "read":
+            self._code_buffers[worker] = np.empty(READ_BYTES, np.uint8)
+
     def _work(self, worker: int, piece: Piece) -> None:
-        if piece.file >= len(self.paths):
-            self._read_module_file(worker, piece)
-            return
         src = self._sources[piece.file]
 
         def read(view, off: int) -> bool:
             src.read_into(view, off)   # a short or failed read of the checkpoint is an error
             return True
-        self._warm_piece(worker, src.fd, piece, read)
+        # idle readers take 1 MiB at a time without a hint for the whole piece (see _advise)
+        hint = not (self.priority == "idle" and self._method == "read")
+        self._warm_piece(self._buffers[worker], src.fd, piece, read, hint)
 
-    def _warm_piece(self, worker: int, fd: int, piece: Piece, read) -> None:
-        """Hint the piece, then (method "read") read it through this worker's buffer;
-        ``read(view, offset)`` returns False to stop early."""
-        self._advise(fd, piece)
+    def _warm_piece(self, buf, fd: int, piece: Piece, read, hint: bool) -> None:
+        """Hint the piece (``hint``), then (method "read") read it through the worker's buffer
+        ``buf``; ``read(view, offset)`` returns False to stop early."""
+        if hint or self._method == "advise":
+            self._advise(fd, piece)
         if self._method == "advise":
             return
-        buf = self._buffers[worker]
         for off in range(piece.offset, piece.end, READ_BYTES):
             if self._job.cancelled():
                 raise Cancelled("cancelled")   # not landed: on_done must not run for this piece
@@ -404,12 +519,12 @@ class PrefetchHandle:
                 return
 
     def _advise(self, fd: int, piece: Piece) -> None:
-        """``posix_fadvise(WILLNEED)``: the kernel queues the whole piece at once. Not at idle
-        priority: on the H200 machine 4 readers' 8 MiB hints kept ~32 MiB queued on the disk
-        ahead of every page fault of the imports running meanwhile, and ``import transformers``
-        took 21.7 s cold instead of 9.6 s; 1 MiB reads from 2 readers queue ~2 MiB."""
-        if self.priority == "idle" and self._method == "read":
-            return
+        """``posix_fadvise(WILLNEED)``: the kernel queues the whole piece at once. Not for the
+        checkpoint at idle priority: on the H200 machine 4 readers' 8 MiB hints kept ~32 MiB
+        queued on the disk ahead of every page fault of the imports running meanwhile, and
+        ``import transformers`` took 21.7 s cold instead of 9.6 s; 1 MiB reads from 2 readers
+        queue ~2 MiB. The code files (``modules``, ``imports``) are always hinted: the imports
+        wait for them."""
         try:
             os.posix_fadvise(fd, piece.offset, piece.length, os.POSIX_FADV_WILLNEED)
         except (AttributeError, OSError):   # a hint only: not every platform/filesystem takes it
@@ -422,7 +537,8 @@ class PrefetchHandle:
         except OSError:
             return   # gone or unreadable: the import will say so, not the prefetch
         try:   # shorter than listed (rewritten): nothing more to warm
-            self._warm_piece(worker, fd, piece, lambda view, off: os.preadv(fd, [view], off) > 0)
+            self._warm_piece(self._code_buffers[worker], fd, piece,
+                             lambda view, off: os.preadv(fd, [view], off) > 0, hint=True)
         finally:
             os.close(fd)
 

@@ -15,7 +15,8 @@ import pytest
 
 import foxhunt_stream as fs
 from foxhunt_stream import warm
-from foxhunt_stream.warm import order_loaded_files, parse_import_trace, trace_files
+from foxhunt_stream.warm import (format_trace, merge_ranges, order_loaded_files, parse_import_trace, present_runs,
+                                 trace_files)
 
 SP = os.path.join(os.sep, "py", "site-packages")
 STD = os.path.join(os.sep, "py", "lib")
@@ -65,7 +66,33 @@ def test_the_longest_import_root_names_the_package():
 
 
 def test_parse_skips_comments_and_blank_lines():
-    assert parse_import_trace("# foxhunt-stream import trace v1\n/a.pyc\n\n  /b.so  \n# note\n") == ["/a.pyc", "/b.so"]
+    assert parse_import_trace("# foxhunt-stream import trace v1\n/a.pyc\n\n  /b.so  \n# note\n") == [
+        ("/a.pyc", None), ("/b.so", None)]
+
+
+def test_a_trace_round_trips_with_the_ranges_of_each_library():
+    text = format_trace(["/a.pyc", "/lib/b.so", "/odd\tname.so"], {"/lib/b.so": [(0, 8192), (1 << 20, 3 << 20)]})
+    assert text.splitlines()[0] == warm.TRACE_HEADER
+    assert parse_import_trace(text) == [("/a.pyc", None), ("/lib/b.so", [(0, 8192), (1 << 20, 3 << 20)])]
+
+
+@pytest.mark.parametrize("spec", ["0+x", "5+0", "-4+8", "12"])
+def test_ranges_that_do_not_parse_mean_the_whole_file(spec):
+    assert parse_import_trace(f"/lib/c.so\t{spec}\n") == [("/lib/c.so", None)]
+
+
+def test_merge_ranges_joins_overlaps_and_small_gaps():
+    assert merge_ranges([(100, 200), (0, 50), (150, 300), (400, 400)], gap=10) == [(0, 50), (100, 300)]
+    assert merge_ranges([(0, 50), (55, 60), (1000, 2000)], gap=10) == [(0, 60), (1000, 2000)]
+    assert merge_ranges([]) == []
+
+
+def test_present_runs_reads_bit_63_of_pagemap_entries():
+    present = np.uint64(1) << np.uint64(63)
+    swapped_only = np.uint64(1) << np.uint64(62)
+    e = np.array([present, present, 0, swapped_only, present, 0, present], dtype=np.uint64)
+    assert present_runs(e) == [(0, 2), (4, 5), (6, 7)]
+    assert present_runs(np.zeros(3, np.uint64)) == [] and present_runs(np.zeros(0, np.uint64)) == []
 
 
 def test_trace_files_skips_what_is_gone_and_a_missing_trace_lists_nothing(tmp_path):
@@ -73,8 +100,9 @@ def test_trace_files_skips_what_is_gone_and_a_missing_trace_lists_nothing(tmp_pa
     a.write_bytes(b"x" * 100)
     (tmp_path / "empty.pyc").write_bytes(b"")
     trace = tmp_path / "t.txt"
-    trace.write_text(f"{warm.TRACE_HEADER}\n{tmp_path / 'gone.so'}\n{a}\n{tmp_path / 'empty.pyc'}\n")
-    assert trace_files(trace) == [(str(a), 100)]
+    trace.write_text(f"{warm.TRACE_HEADER}\n{tmp_path / 'gone.so'}\n{a}\n{tmp_path / 'empty.pyc'}\n"
+                     f"{a}\t10+20,90+50,200+10\n")   # ranges clipped to the file as it is now
+    assert trace_files(trace) == [(str(a), [(0, 100)]), (str(a), [(10, 30), (90, 100)])]
     assert trace_files(tmp_path / "no-trace-yet.txt") == []
 
 
@@ -91,9 +119,13 @@ def test_record_imports_lists_this_process_code_in_import_order(tmp_path):
                          check=True, timeout=60)
     lines = trace.read_text().splitlines()
     assert lines[0] == warm.TRACE_HEADER
-    files = lines[1:]
+    entries = parse_import_trace(trace.read_text())
+    files = [f for f, _ in entries]
     assert int(out.stdout.strip()) == len(files) and len(files) == len(set(files))
     assert all(os.path.isabs(f) and os.path.isfile(f) for f in files)
+    page = os.sysconf("SC_PAGE_SIZE")
+    for f, ranges in entries:   # a library's touched pages: page-aligned, inside the file
+        assert ranges is None or all(a % page == 0 and a < b <= os.path.getsize(f) + page for a, b in ranges)
 
     def index(fragment: str) -> int:
         hits = [i for i, f in enumerate(files) if fragment in f]
@@ -120,17 +152,54 @@ def test_prefetch_reads_the_trace_in_order_then_the_checkpoint(tmp_path, monkeyp
     trace.write_text(warm.TRACE_HEADER + "\n" + "\n".join([files[0], str(tmp_path / "gone.pyc"), *files[1:]]) + "\n")
     path = _checkpoint(tmp_path)
     order: list[str] = []
-    real = warm.PrefetchHandle._work
+    real_work, real_code = warm.PrefetchHandle._work, warm.PrefetchHandle._read_module_file
 
     def work(self, worker, piece):
-        order.append(self.module_paths[piece.file - len(self.paths)] if piece.file >= len(self.paths) else "checkpoint")
-        return real(self, worker, piece)
+        order.append("checkpoint")
+        return real_work(self, worker, piece)
+
+    def code(self, worker, piece):
+        order.append(self.module_paths[piece.file - len(self.paths)])
+        return real_code(self, worker, piece)
     monkeypatch.setattr(warm.PrefetchHandle, "_work", work)
+    monkeypatch.setattr(warm.PrefetchHandle, "_read_module_file", code)
+    monkeypatch.setattr(warm, "CODE_THREADS", 1)   # one reader: the order is the trace's
     h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, imports=trace)
     h.wait()
     assert order[:5] == [files[0]] * 3 + [files[1], files[2]]   # 20 000 bytes = three 8 KiB pieces
     assert set(order[5:]) == {"checkpoint"}
     assert h.module_bytes == 25_300 and h.bytes_done == h.nbytes == os.path.getsize(path)
+
+
+def test_prefetch_reads_only_the_listed_ranges_of_a_library(tmp_path, monkeypatch):
+    lib = tmp_path / "libbig.so"
+    lib.write_bytes(b"L" * 100_000)
+    trace = tmp_path / "imports.txt"
+    trace.write_text(f"{warm.TRACE_HEADER}\n{lib}\t0+4096,40960+20000\n")
+    path = _checkpoint(tmp_path)
+    read: list[tuple[int, int]] = []
+    real = warm.PrefetchHandle._read_module_file
+
+    def code(self, worker, piece):
+        read.append((piece.offset, piece.length))
+        return real(self, worker, piece)
+    monkeypatch.setattr(warm.PrefetchHandle, "_read_module_file", code)
+    monkeypatch.setattr(warm, "CODE_THREADS", 1)
+    h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, imports=trace)
+    h.wait()
+    assert read == [(0, 4096), (40960, 8192), (49152, 8192), (57344, 3616)] and h.module_bytes == 24_096
+
+
+def test_warm_metadata_lists_each_package_once_and_stats_the_sources(tmp_path, monkeypatch):
+    pkg = tmp_path / "pkg"
+    (pkg / "__pycache__").mkdir(parents=True)
+    calls: list[tuple[str, str]] = []
+    real_stat, real_listdir = os.stat, os.listdir
+    monkeypatch.setattr(os, "stat", lambda q, *a, **k: (calls.append(("stat", str(q))), real_stat(q, *a, **k))[1])
+    monkeypatch.setattr(os, "listdir", lambda q: (calls.append(("list", str(q))), real_listdir(q))[1])
+    warm.warm_metadata([str(pkg / "__pycache__" / "a.cpython-312.pyc"), str(pkg / "__pycache__" / "b.cpython-312.pyc"),
+                        str(pkg / "_ext.so")])
+    assert calls == [("stat", str(pkg / "a.py")), ("list", str(pkg)), ("stat", str(pkg / "b.py"))]
 
 
 def test_prefetch_with_modules_and_a_trace_reads_each_file_once(tmp_path, monkeypatch):
@@ -167,3 +236,31 @@ def test_record_imports_leaves_no_debris_when_it_cannot_write(tmp_path, monkeypa
     with pytest.raises(OSError, match="disk full"):
         warm.record_imports(target)
     assert target.read_text() == "old trace\n" and sorted(os.listdir(tmp_path)) == ["imports.txt"]
+
+
+def test_code_files_are_hinted_at_normal_priority_while_the_checkpoint_idles(tmp_path, monkeypatch):
+    """The imports wait for the code files: they are read with a WILLNEED hint per piece and
+    outside the idle I/O class, even when the checkpoint's readers (priority="idle") are in it
+    and read 1 MiB at a time without hints."""
+    lib = tmp_path / "libx.so"
+    lib.write_bytes(b"x" * 50_000)
+    trace = tmp_path / "imports.txt"
+    trace.write_text(f"{warm.TRACE_HEADER}\n{lib}\n")
+    path = _checkpoint(tmp_path)
+    idle_threads, code_threads, hinted = set(), set(), []
+    monkeypatch.setattr(warm, "set_idle_io_priority", lambda: idle_threads.add(threading.current_thread()) or True)
+    real_code, real_advise = warm.PrefetchHandle._read_module_file, os.posix_fadvise
+
+    def code(self, worker, piece):
+        code_threads.add(threading.current_thread())
+        return real_code(self, worker, piece)
+
+    def advise(fd, offset, length, advice):
+        hinted.append(os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else "?")
+        return real_advise(fd, offset, length, advice)
+    monkeypatch.setattr(warm.PrefetchHandle, "_read_module_file", code)
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    h = fs.prefetch(path, skip_resident=False, imports=trace)   # priority="idle" by default
+    h.wait()
+    assert h.priority == "idle" and idle_threads and code_threads and not idle_threads & code_threads
+    assert hinted and set(hinted) <= {str(lib), "?"}   # the checkpoint's idle reads are not hinted

@@ -632,12 +632,17 @@ def test_prefetch_reads_the_modules_files_before_the_checkpoint(tmp_path, monkey
     pkg, _ = _fake_package(tmp_path, monkeypatch)
     path, _ = _checkpoint(tmp_path)
     order = []
-    real = warm_mod.PrefetchHandle._work
+    real_work, real_code = warm_mod.PrefetchHandle._work, warm_mod.PrefetchHandle._read_module_file
 
     def work(self, worker, piece):
-        order.append("module" if piece.file >= len(self.paths) else "checkpoint")
-        return real(self, worker, piece)
+        order.append("checkpoint")
+        return real_work(self, worker, piece)
+
+    def code(self, worker, piece):
+        order.append("module")
+        return real_code(self, worker, piece)
     monkeypatch.setattr(warm_mod.PrefetchHandle, "_work", work)
+    monkeypatch.setattr(warm_mod.PrefetchHandle, "_read_module_file", code)
     h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, modules=["fhfakepkg"])
     h.wait()
     n_mod = 3 + 1 + 1   # libbig.so.12 (20 000 bytes) in three 8 KiB pieces, _ext.so, the .pyc

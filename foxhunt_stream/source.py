@@ -15,6 +15,7 @@ unselected bytes are never read.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -43,6 +44,39 @@ _total_read = 0
 def total_bytes_read() -> int:
     """Tensor bytes read by all sources of this process so far (headers are not counted)."""
     return _total_read
+
+
+_devnull = -2   # not opened yet; -1: sendfile to /dev/null does not work here
+
+
+def sendfile_to_null(fd: int, offset: int, length: int, step: int = 64 << 20) -> int | None:
+    """Pull ``[offset, offset+length)`` of ``fd`` into the page cache without copying it anywhere:
+    ``sendfile`` into ``/dev/null`` (the kernel reads the pages, nothing is written). One call per
+    ``step`` bytes, each releasing the GIL for all of it: a reader thread that comes back for the
+    GIL after every 1 MiB ``pread`` makes the main thread wait for it at each of its own system
+    calls (a convoy: ``stat``-heavy imports ran several times slower beside two such readers).
+    Returns the bytes warmed (fewer at end of file), or None where ``sendfile`` cannot do this
+    (not Linux): read through a buffer instead."""
+    global _devnull
+    if _devnull == -2:
+        try:
+            _devnull = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)) if hasattr(os, "sendfile") else -1
+        except OSError:
+            _devnull = -1
+    if _devnull < 0:
+        return None
+    done = 0
+    while done < length:
+        try:
+            n = os.sendfile(_devnull, fd, offset + done, min(step, length - done))
+        except OSError as e:
+            if done == 0 and e.errno in (errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.EOPNOTSUPP):
+                return None
+            raise
+        if n == 0:
+            break
+        done += n
+    return done
 
 
 def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -120,6 +154,32 @@ class FileSource:
                 raise self._short(offset, got, want)
             got += n
         self._count(want)
+
+    def warm(self, offset: int, length: int, scratch: np.ndarray) -> None:
+        """Make ``[offset, offset+length)`` resident in the page cache (a prefetch): through
+        ``sendfile_to_null`` where it works, else read into ``scratch`` piece by piece. A
+        truncated file is FormatError "file-truncated", as for reads; the fault hook applies."""
+        limit = length
+        if fault_hook is not None:
+            r = self._inject(offset, length)
+            if r is not None:
+                limit = r
+        try:
+            got = sendfile_to_null(self.fd, offset, limit)
+            if got is None:
+                got = 0
+                while got < limit:
+                    view = memoryview(scratch[:min(scratch.nbytes, limit - got)]).cast("B")
+                    n = os.preadv(self.fd, [view], offset + got)
+                    if n == 0:
+                        break
+                    got += n
+        except OSError as e:
+            raise OSError(e.errno, f"{self.path}: read of {length} bytes at offset {offset} failed: "
+                                   f"{e.strerror}") from e
+        if got < length:
+            raise self._short(offset, got, length)
+        self._count(length)
 
     def read_span(self, offset: int, length: int, scratch: np.ndarray) -> np.ndarray:
         """The bytes ``[offset, offset+length)`` as a view, read into ``scratch`` if needed."""

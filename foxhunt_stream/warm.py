@@ -29,11 +29,12 @@ import numpy as np
 from . import settings as _settings
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
 from .pipeline import Cancelled, Job
-from .source import FileSource, open_source, resident_fraction
+from .source import FileSource, open_source, resident_fraction, sendfile_to_null
 
 log = logging.getLogger("foxhunt_stream")
 
-READ_BYTES = 1 << 20   # the reusable buffer per reader thread: the page cache is the real destination
+READ_BYTES = 1 << 20   # the reusable buffer per reader thread (where sendfile cannot warm the cache)
+WARM_BYTES = 64 << 20  # bytes per sendfile call: the GIL is taken back once per this many bytes
 METHODS = ("read", "advise")
 PRIORITIES = ("idle", "normal")
 DEFAULT_THREADS = 8    # readers when the caller names none (at most the loader's thread count)
@@ -497,26 +498,16 @@ class PrefetchHandle:
 
     def _work(self, worker: int, piece: Piece) -> None:
         src = self._sources[piece.file]
-
-        def read(view, off: int) -> bool:
-            src.read_into(view, off)   # a short or failed read of the checkpoint is an error
-            return True
-        # idle readers take 1 MiB at a time without a hint for the whole piece (see _advise)
-        hint = not (self.priority == "idle" and self._method == "read")
-        self._warm_piece(self._buffers[worker], src.fd, piece, read, hint)
-
-    def _warm_piece(self, buf, fd: int, piece: Piece, read, hint: bool) -> None:
-        """Hint the piece (``hint``), then (method "read") read it through the worker's buffer
-        ``buf``; ``read(view, offset)`` returns False to stop early."""
-        if hint or self._method == "advise":
-            self._advise(fd, piece)
+        # idle readers: no hint for the whole piece (see _advise); the kernel's readahead paces them
+        if self._method == "advise" or self.priority != "idle":
+            self._advise(src.fd, piece)
         if self._method == "advise":
             return
-        for off in range(piece.offset, piece.end, READ_BYTES):
+        for off in range(piece.offset, piece.end, WARM_BYTES):
             if self._job.cancelled():
                 raise Cancelled("cancelled")   # not landed: on_done must not run for this piece
-            if not read(buf[:min(READ_BYTES, piece.end - off)], off):
-                return
+            # a short or failed read of the checkpoint is an error
+            src.warm(off, min(WARM_BYTES, piece.end - off), self._buffers[worker])
 
     def _advise(self, fd: int, piece: Piece) -> None:
         """``posix_fadvise(WILLNEED)``: the kernel queues the whole piece at once. Not for the
@@ -536,9 +527,17 @@ class PrefetchHandle:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             return   # gone or unreadable: the import will say so, not the prefetch
-        try:   # shorter than listed (rewritten): nothing more to warm
-            self._warm_piece(self._code_buffers[worker], fd, piece,
-                             lambda view, off: os.preadv(fd, [view], off) > 0, hint=True)
+        try:
+            self._advise(fd, piece)
+            if self._method == "advise" or self._job.cancelled():
+                return
+            if sendfile_to_null(fd, piece.offset, piece.length) is None:
+                buf = self._code_buffers[worker]
+                for off in range(piece.offset, piece.end, READ_BYTES):
+                    if os.preadv(fd, [buf[:min(READ_BYTES, piece.end - off)]], off) <= 0:
+                        return   # shorter than listed (rewritten): nothing more to warm
+        except OSError:
+            return   # best effort: the import reads its own files
         finally:
             os.close(fd)
 

@@ -264,3 +264,58 @@ def test_code_files_are_hinted_at_normal_priority_while_the_checkpoint_idles(tmp
     h.wait()
     assert h.priority == "idle" and idle_threads and code_threads and not idle_threads & code_threads
     assert hinted and set(hinted) <= {str(lib), "?"}   # the checkpoint's idle reads are not hinted
+
+
+# ---------------------------------------------------------------- warming without a copy
+
+def test_sendfile_to_null_warms_the_range_and_stops_at_end_of_file(tmp_path):
+    from foxhunt_stream.source import resident_fraction, sendfile_to_null
+    f = tmp_path / "blob"
+    f.write_bytes(os.urandom(3 << 20))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # evict, where the filesystem allows it
+        evicted = resident_fraction(str(f), samples=1 << 20) < 1.0
+        assert sendfile_to_null(fd, 0, 3 << 20, step=1 << 20) == 3 << 20
+        if evicted:
+            assert resident_fraction(str(f), samples=1 << 20) == 1.0
+        assert sendfile_to_null(fd, (3 << 20) - 100, 4096) == 100   # past the end: what there is
+    finally:
+        os.close(fd)
+
+
+def test_file_source_warm_falls_back_to_reads_and_reports_truncation(tmp_path, monkeypatch):
+    import errno as _errno
+
+    from foxhunt_stream import errors, source
+    f = tmp_path / "blob"
+    f.write_bytes(b"z" * 10_000)
+    calls = []
+
+    def no_sendfile(*a):
+        calls.append(a)
+        raise OSError(_errno.EINVAL, "not here")
+    monkeypatch.setattr(os, "sendfile", no_sendfile)
+    monkeypatch.setattr(source, "_devnull", -2)
+    preads = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: (preads.append(off), real_preadv(fd, bufs, off))[1])
+    with source.FileSource(f) as src:
+        src.warm(0, 10_000, np.empty(4096, np.uint8))
+        assert calls and preads == [0, 4096, 8192] and src.bytes_read == 10_000
+        with pytest.raises(errors.FormatError, match="file-truncated"):
+            src.warm(8000, 4000, np.empty(4096, np.uint8))
+
+
+def test_prefetch_takes_the_gil_back_once_per_64_mib_not_per_mib(tmp_path, monkeypatch):
+    """A reader that needs the GIL after every 1 MiB read makes the importing main thread wait at
+    each of its own system calls; the checkpoint is warmed with one call per 64 MiB piece."""
+    from foxhunt_stream import source
+    path = str(tmp_path / "big.safetensors")
+    fs.save_file({"w": np.zeros(40 << 20, np.uint8), "v": np.zeros(100, np.uint8)}, path)
+    calls = []
+    real = source.FileSource.warm
+    monkeypatch.setattr(source.FileSource, "warm", lambda self, off, n, buf: (calls.append(n), real(self, off, n, buf))[1])
+    h = fs.prefetch(path, skip_resident=False, chunk_bytes=128 << 20)
+    h.wait()
+    assert sum(calls) == h.nbytes == os.path.getsize(path) and len(calls) == 1

@@ -21,6 +21,8 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
         in the order they were needed, then the weights; a cold run with no trace yet gets a
         hot 2t run first that records one (not counted)
     2tn 2t with priority="normal": the weights read by 8 hinted readers, not 2 idle ones
+    2T  2t without the weights (``names=[]``): the trace alone, to tell its effect on the imports
+        from the weights' reads competing with them
     3   meta model + safetensors load_file(device=...) per shard + load_state_dict(assign=True)
 
 Each variant ends with a 1-token forward and torch.cuda.synchronize(); the child reports
@@ -48,7 +50,8 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2w", "2p", "2t", "2tn", "3")
+VARIANTS = ("F", "E", "1", "2", "2w", "2p", "2t", "2tn", "2T", "3")
+TRACED = ("2t", "2tn", "2T")
 DEFAULT_TRACE = os.path.join("/tmp", "foxhunt_startup_imports.txt")
 LABELS = {
     "F": "floor (imports, CUDA, meta model)",
@@ -59,6 +62,7 @@ LABELS = {
     "2p": "2 + fs.prefetch first",
     "2t": "2 + fs.prefetch(imports=trace) first",
     "2tn": "2t, prefetch priority normal",
+    "2T": "2 + prefetch of the import trace only",
     "3": "safetensors load_file + assign",
 }
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -139,8 +143,8 @@ import foxhunt_stream as fs
 PF = fs.prefetch({directory!r}, modules=("torch", "nvidia", "transformers"))
 T["prefetch_started"] = time.time()
 """
-    elif variant in ("2t", "2tn"):
-        prio = ', priority="normal"' if variant == "2tn" else ""
+    elif variant in TRACED:
+        prio = ', priority="normal"' if variant == "2tn" else ', names=[]' if variant == "2T" else ""
         pre = f"""
 import foxhunt_stream as fs
 PF = fs.prefetch({directory!r}, imports={trace!r}{prio})
@@ -205,7 +209,7 @@ T["load"] = time.time()
 forward(model)
 T["forward"] = time.time()
 """
-    elif variant in ("2", "2w", "2p", "2t", "2tn"):
+    elif variant in ("2", "2w", "2p") + TRACED:
         body = """
 import foxhunt_stream as fs
 import foxhunt_stream.torch
@@ -224,7 +228,7 @@ fix_rotary(model, DEV)
 forward(model)
 T["forward"] = time.time()
 """
-        if variant in ("2p", "2t", "2tn"):
+        if variant in ("2p",) + TRACED:
             body += """
 T["prefetch_bytes"] = PF.bytes_done
 T["prefetch_total"] = PF.nbytes
@@ -255,7 +259,7 @@ T["forward"] = time.time()
 T["done"] = time.time()
 extra = {"warmup": WARMUP} if "WARMUP" in globals() else {}
 """ + (f"""extra["trace_files"] = fs.warm.record_imports({trace!r})   # for the next start: after the timing
-""" if variant in ("2t", "2tn") else "") + """
+""" if variant in TRACED else "") + """
 print("RESULT " + json.dumps({"stamps": T, "notes": NOTES, **extra}), flush=True)
 """
     return textwrap.dedent(head) + textwrap.dedent(body) + textwrap.dedent(tail)
@@ -490,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--append: {args.json} measured another checkpoint ({old.get('checkpoint_bytes')} bytes)")
         runs = old["runs"]
         print(f"appending to the {len(runs)} run(s) already in {args.json}")
-    if "cold" in modes and {"2t", "2tn"} & set(variants) and not os.path.exists(args.imports_trace):
+    if "cold" in modes and set(TRACED) & set(variants) and not os.path.exists(args.imports_trace):
         warm_cache(files)
         r = run_variant("2t", directory, args.device, args.timeout, args.imports_trace)
         print(f"recorded the import trace {args.imports_trace} in an uncounted hot 2t run: "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import stat
 import threading
 import time
 import weakref
@@ -263,10 +264,86 @@ def mapped_libraries() -> dict[str, list[tuple[int, int]]]:
     return {p: merge_ranges(r) for p, r in out.items()}
 
 
+_quiet = threading.local()       # .on in foxhunt's own reader threads: their opens are not noted
+_opened: list[str] = []          # files opened for reading / directories listed, in order (watch_opens)
+_watching = False
+DATA_FILE_LIMIT = 64 << 20       # bigger files opened by Python code (checkpoints) are not traced
+_UNTRACED = ("/proc/", "/sys/", "/dev/")
+
+
+def _audit(event: str, args: tuple) -> None:
+    """The audit hook (PEP 578) of ``watch_opens``: cheap, and never raises."""
+    if event == "open":
+        path, mode, flags = args
+        if not isinstance(path, str):
+            return
+        if isinstance(mode, str) and mode:
+            if "w" in mode or "a" in mode or "x" in mode or "+" in mode:
+                return
+        elif not isinstance(flags, int) or flags & 3:   # O_WRONLY / O_RDWR
+            return
+    elif event == "os.listdir" or event == "os.scandir":
+        path = args[0] if args else None
+        if not isinstance(path, str) or not path:
+            return
+        path = path.rstrip(os.sep) + os.sep
+    else:
+        return
+    if getattr(_quiet, "on", False) or path.startswith(_UNTRACED):
+        return
+    try:
+        _opened.append(os.path.abspath(path) + (os.sep if path.endswith(os.sep) else ""))
+    except Exception:   # noqa: BLE001 - a hook must not break the open it watches
+        pass
+
+
+def _quietly(fn, *args) -> None:
+    """Run ``fn`` on this (foxhunt) thread without noting its opens as the process's."""
+    _quiet.on = True
+    fn(*args)
+
+
+def watch_opens() -> None:
+    """From now on, note each file Python code opens for reading and each directory it lists
+    (an audit hook, PEP 578, installed once per process): a later ``record_imports`` then also
+    lists what the imports read besides their modules (package metadata, configs, directory
+    listings), in the order they read it. ``prefetch(..., imports=)`` calls this."""
+    global _watching
+    if _watching:
+        return
+    import sys
+    _watching = True
+    sys.addaudithook(_audit)
+
+
+def opened_files() -> tuple[list[str], list[str]]:
+    """What ``watch_opens`` noted, first use first: regular files (real paths, at most
+    ``DATA_FILE_LIMIT`` bytes, ``.safetensors`` left to the weights' own prefetch) and directories."""
+    files: list[str] = []
+    dirs: list[str] = []
+    seen: set[str] = set()
+    for p in dict.fromkeys(_opened):
+        if p.endswith(os.sep):
+            dirs.append(p.rstrip(os.sep) or os.sep)
+            continue
+        try:
+            real = os.path.realpath(p)
+            st = os.stat(real)
+        except (OSError, ValueError):
+            continue
+        if real in seen:
+            continue
+        seen.add(real)
+        if stat.S_ISREG(st.st_mode) and st.st_size <= DATA_FILE_LIMIT and not real.endswith(".safetensors"):
+            files.append(real)
+    return files, dirs
+
+
 def loaded_files() -> list[str]:
     """The code files this process has loaded so far (bytecode, extension modules, shared
-    libraries), in the order a restart needs them (``order_loaded_files``). Record it once the
-    server answers (``record_imports``) and replay it with ``prefetch(..., imports=)``."""
+    libraries) and, after ``watch_opens``, the other files its Python code read, in the order a
+    restart needs them (``order_loaded_files``). Record it once the server answers
+    (``record_imports``) and replay it with ``prefetch(..., imports=)``."""
     import sys
 
     def real(f) -> str | None:
@@ -276,8 +353,9 @@ def loaded_files() -> list[str]:
             return os.path.realpath(f) if os.path.isfile(f) else None
         except (OSError, ValueError):
             return None
-    mods = [(real(getattr(m, "__file__", None)), real(getattr(m, "__cached__", None)))
-            for m in list(sys.modules.values())]
+    opened, _ = opened_files()   # in the order they were opened (bytecode included)
+    mods = [(f, None) for f in opened] + [(real(getattr(m, "__file__", None)), real(getattr(m, "__cached__", None)))
+                                          for m in list(sys.modules.values())]
     mapped = list(mapped_libraries())   # not Linux: the modules' own files only
     roots = [os.path.realpath(p) for p in sys.path if isinstance(p, str) and p and os.path.isdir(p)]
     return order_loaded_files(mods, mapped, roots)
@@ -302,7 +380,7 @@ def record_imports(path: str | os.PathLike) -> int:
 
     Call it once the model has answered (the first forward loads cuBLAS and friends too)."""
     files = loaded_files()
-    text = format_trace(files, mapped_libraries())
+    text = format_trace(files + [d + os.sep for d in opened_files()[1]], mapped_libraries())
     path = os.fspath(path)
     tmp = f"{path}.{os.getpid()}.tmp"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -343,41 +421,61 @@ def parse_import_trace(text: str) -> list[tuple[str, list[tuple[int, int]] | Non
 CodeFile = tuple[str, list[tuple[int, int]]]   # a file and the (start, end) ranges to read
 
 
-def trace_files(path: str | os.PathLike) -> list[CodeFile]:
+def read_trace(path: str | os.PathLike) -> tuple[list[CodeFile], list[str]]:
     """The files of a trace that still exist, with the ranges to read (clipped to the file's
-    size now); a missing trace (the first start) lists nothing."""
+    size now), and the directories it lists (lines ending in a separator: only listed, see
+    ``warm_metadata``). A missing trace (the first start) lists nothing."""
     try:
         with open(path, encoding="utf-8") as f:
             listed = parse_import_trace(f.read())
     except FileNotFoundError:
-        return []
+        return [], []
     out: list[CodeFile] = []
+    dirs: list[str] = []
     for p, ranges in listed:
+        if p.endswith(os.sep) and len(p) > 1:
+            dirs.append(p.rstrip(os.sep))
+            continue
         try:
-            size = os.stat(p).st_size
+            st = os.stat(p)
         except OSError:   # uninstalled or upgraded since: the import will find its own files
             continue
-        spans = [(a, min(b, size)) for a, b in (ranges or [(0, size)]) if a < size]
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        spans = [(a, min(b, st.st_size)) for a, b in (ranges or [(0, st.st_size)]) if a < st.st_size]
         if spans:
             out.append((p, spans))
-    return out
+    return out, dirs
 
 
-def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> list[CodeFile]:
+def trace_files(path: str | os.PathLike) -> list[CodeFile]:
+    """``read_trace``'s files only."""
+    return read_trace(path)[0]
+
+
+def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> tuple[list[CodeFile], list[str]]:
     """What a prefetch reads before the checkpoint: the import trace's files in its order, then
-    the named packages' files not already listed (whole)."""
-    out = trace_files(imports) if imports is not None else []
+    the named packages' files not already listed (whole); and the trace's directories."""
+    out, dirs = read_trace(imports) if imports is not None else ([], [])
     if modules:
         listed = {p for p, _ in out}
         out += [(p, [(0, n)]) for p, n in module_files(modules) if p not in listed]
-    return out
+    return out, dirs
 
 
-def warm_metadata(files: Sequence[str]) -> None:
-    """What an import touches besides the bytecode: the listing of each package directory and the
-    source file's ``stat`` (the bytecode is checked against it). After ``drop_caches`` these are
-    small random reads of directories and inodes; done ahead, the import finds them cached."""
+def warm_metadata(files: Sequence[str], dirs: Sequence[str] = ()) -> None:
+    """What an import touches besides the bytecode: the listing of each package directory (and
+    of ``dirs``, those the traced start listed) and the source file's ``stat`` (the bytecode is
+    checked against it). After ``drop_caches`` these are small random reads of directories and
+    inodes; done ahead, the import finds them cached."""
     listed: set[str] = set()
+    for d in dirs:
+        if d not in listed:
+            listed.add(d)
+            try:
+                os.listdir(d)
+            except OSError:
+                pass
     for p in files:
         d = os.path.dirname(p)
         if os.path.basename(d) == "__pycache__":   # pkg/__pycache__/mod.cpython-312.pyc -> pkg, pkg/mod.py
@@ -455,11 +553,12 @@ class PrefetchHandle:
 
     def _modules_then_checkpoint(self, threads: int, modules, imports, piece_bytes: int,
                                  skip_resident: bool) -> None:
+        _quiet.on = True   # the trace, the residency checks: not the process's own reads
         try:
             try:
-                files = code_files(modules, imports)
-                if files:   # directories and inodes on their own thread, beside the reads
-                    threading.Thread(target=warm_metadata, args=([p for p, _ in files],),
+                files, dirs = code_files(modules, imports)
+                if files or dirs:   # directories and inodes on their own thread, beside the reads
+                    threading.Thread(target=_quietly, args=(warm_metadata, [p for p, _ in files], dirs),
                                      name="foxhunt-prefetch-metadata", daemon=True).start()
                 if skip_resident:   # big libraries already in memory (a hot start): nothing to read
                     files = [(p, r) for p, r in files
@@ -487,12 +586,14 @@ class PrefetchHandle:
 
     # -- workers
     def _setup(self, worker: int) -> None:
+        _quiet.on = True
         if self.priority == "idle":
             set_idle_io_priority()
         if self._method == "read":
             self._buffers[worker] = np.empty(READ_BYTES, np.uint8)
 
     def _setup_code(self, worker: int) -> None:
+        _quiet.on = True
         if self._method == "read":
             self._code_buffers[worker] = np.empty(READ_BYTES, np.uint8)
 
@@ -682,6 +783,7 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
         raise
     if imports is not None:
         imports = os.path.expanduser(os.fspath(imports))
+        watch_opens()   # so that record_imports can list what this start reads
     modules_first = (tuple(modules), imports, s.chunk_bytes, skip_resident) if modules or imports else None
     return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method, priority, modules_first)
 

@@ -319,3 +319,80 @@ def test_prefetch_takes_the_gil_back_once_per_64_mib_not_per_mib(tmp_path, monke
     h = fs.prefetch(path, skip_resident=False, chunk_bytes=128 << 20)
     h.wait()
     assert sum(calls) == h.nbytes == os.path.getsize(path) and len(calls) == 1
+
+
+# ---------------------------------------------------------------- what Python code opens (audit hook)
+
+@pytest.fixture
+def fresh_open_log(monkeypatch):
+    monkeypatch.setattr(warm, "_opened", [])
+    return warm._opened
+
+
+def test_the_audit_hook_notes_reads_and_listings_only(tmp_path, fresh_open_log):
+    f = str(tmp_path / "a.json")
+    warm._audit("open", (f, "r", 0))
+    warm._audit("open", (f + "2", None, os.O_RDONLY | os.O_CLOEXEC))
+    for mode in ("w", "ab", "r+", "x"):
+        warm._audit("open", (str(tmp_path / f"w{mode}"), mode, 0))
+    warm._audit("open", (str(tmp_path / "wo"), None, os.O_WRONLY | os.O_CREAT))
+    warm._audit("open", (3, "rb", 0))                      # an fd, not a path
+    warm._audit("open", ("/proc/self/maps", "r", 0))        # not a file on a disk
+    warm._audit("os.listdir", (str(tmp_path),))
+    warm._audit("os.scandir", (None,))
+    warm._audit("compile", (b"x", "<string>"))
+    assert fresh_open_log == [f, f + "2", str(tmp_path) + os.sep]
+
+
+def test_reader_threads_opens_are_not_the_process(fresh_open_log, tmp_path):
+    def reader():
+        warm._quiet.on = True
+        warm._audit("open", (str(tmp_path / "checkpoint-piece"), None, os.O_RDONLY))
+    t = threading.Thread(target=reader)
+    t.start()
+    t.join()
+    assert fresh_open_log == []
+
+
+def test_opened_files_are_real_small_regular_files_first_use_first(tmp_path, fresh_open_log, monkeypatch):
+    a, b, big, st = tmp_path / "a.txt", tmp_path / "b.pyc", tmp_path / "big.bin", tmp_path / "m.safetensors"
+    for f in (a, b, st):
+        f.write_bytes(b"x" * 10)
+    big.write_bytes(b"x" * 2000)
+    link = tmp_path / "link.txt"
+    link.symlink_to(a)
+    monkeypatch.setattr(warm, "DATA_FILE_LIMIT", 1000)
+    fresh_open_log += [str(b), str(link), str(a), str(big), str(st), str(tmp_path / "gone"), str(tmp_path) + os.sep,
+                       str(b)]
+    assert warm.opened_files() == ([os.path.realpath(b), os.path.realpath(a)], [str(tmp_path)])
+
+
+def test_read_trace_separates_directories(tmp_path):
+    a = tmp_path / "a.pyc"
+    a.write_bytes(b"x" * 10)
+    trace = tmp_path / "t.txt"
+    trace.write_text(f"{warm.TRACE_HEADER}\n{tmp_path}{os.sep}\n{a}\n{tmp_path}\n")   # a directory without the mark: skipped
+    assert warm.read_trace(trace) == ([(str(a), [(0, 10)])], [str(tmp_path)])
+
+
+def test_a_recorded_trace_holds_the_files_and_directories_the_start_read(tmp_path):
+    data = tmp_path / "config.json"
+    data.write_text("{}")
+    listed = tmp_path / "plugins"
+    listed.mkdir()
+    trace = tmp_path / "imports.txt"
+    code = ("import sys, os; sys.path.insert(0, sys.argv[2])\n"
+            "import foxhunt_stream.warm as w\n"
+            "w.watch_opens()\n"
+            "import colorsys\n"
+            "open(sys.argv[3]).read(); os.listdir(sys.argv[4])\n"
+            "open(sys.argv[3] + '.out', 'w').write('x')\n"
+            "w.record_imports(sys.argv[1])\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fs.__file__)))
+    subprocess.run([sys.executable, "-c", code, str(trace), root, str(data), str(listed)], check=True, timeout=60)
+    files, dirs = warm.read_trace(trace)
+    paths = [p for p, _ in files]
+    assert os.path.realpath(data) in paths and os.path.realpath(str(data) + ".out") not in paths
+    assert str(listed) in dirs
+    colorsys_at = [i for i, p in enumerate(paths) if "colorsys" in p]
+    assert colorsys_at and colorsys_at[0] < paths.index(os.path.realpath(data))   # in the order they were read

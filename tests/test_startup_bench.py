@@ -20,9 +20,9 @@ def test_child_programs_compile(variant, device):
     code = sb.child_program(variant, "/models/it's here", device)
     compile(code, f"<{variant}>", "exec")
     assert code.rstrip().endswith('flush=True)') and "RESULT " in code
-    if variant in ("2p", "2t", "2tn"):   # prefetch comes before torch is imported
+    if variant in ("2p",) + sb.TRACED:   # prefetch comes before torch is imported
         assert code.index("fs.prefetch(") < code.index("import torch")
-    if variant in ("2t", "2tn"):   # the trace is replayed first and recorded again after the timing
+    if variant in sb.TRACED:   # the trace is replayed first and recorded again after the timing
         assert "imports='/tmp/foxhunt_startup_imports.txt'" in code
         assert code.index('T["done"]') < code.index("record_imports(")
     assert ("torch.cuda.synchronize()" in code) == device.startswith("cuda")

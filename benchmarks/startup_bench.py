@@ -21,6 +21,8 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
         in the order they were needed, then the weights; a cold run with no trace yet gets a
         hot 2t run first that records one (not counted)
     2tn 2t with priority="normal": the weights read by 8 hinted readers, not 2 idle ones
+    2tr 2t with max_rate=RATE (``--prefetch-rate``, default 1 GB/s) until the load starts: the disk
+        is not kept saturated while the imports still read from it
     2T  2t without the weights (``names=[]``): the trace alone, to tell its effect on the imports
         from the weights' reads competing with them
     3   meta model + safetensors load_file(device=...) per shard + load_state_dict(assign=True)
@@ -50,8 +52,9 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2w", "2p", "2t", "2tn", "2T", "3")
-TRACED = ("2t", "2tn", "2T")
+VARIANTS = ("F", "E", "1", "2", "2w", "2p", "2t", "2tn", "2tr", "2T", "3")
+TRACED = ("2t", "2tn", "2tr", "2T")
+DEFAULT_RATE = 1e9
 DEFAULT_TRACE = os.path.join("/tmp", "foxhunt_startup_imports.txt")
 LABELS = {
     "F": "floor (imports, CUDA, meta model)",
@@ -62,6 +65,7 @@ LABELS = {
     "2p": "2 + fs.prefetch first",
     "2t": "2 + fs.prefetch(imports=trace) first",
     "2tn": "2t, prefetch priority normal",
+    "2tr": "2t, prefetch max_rate until the load",
     "2T": "2 + prefetch of the import trace only",
     "3": "safetensors load_file + assign",
 }
@@ -130,7 +134,8 @@ def fix_rotary(model, dev):
 '''
 
 
-def child_program(variant: str, directory: str, device: str, trace: str = DEFAULT_TRACE) -> str:
+def child_program(variant: str, directory: str, device: str, trace: str = DEFAULT_TRACE,
+                  rate: float = DEFAULT_RATE) -> str:
     """The ``python -c`` program of one variant. Stamps are time.time() (comparable with the
     parent's spawn time); the last line printed is ``RESULT {json}``."""
     cuda = device.startswith("cuda")
@@ -144,7 +149,7 @@ PF = fs.prefetch({directory!r}, modules=("torch", "nvidia", "transformers"))
 T["prefetch_started"] = time.time()
 """
     elif variant in TRACED:
-        prio = ', priority="normal"' if variant == "2tn" else ', names=[]' if variant == "2T" else ""
+        prio = {"2tn": ', priority="normal"', "2T": ", names=[]", "2tr": f", max_rate={rate!r}"}.get(variant, "")
         pre = f"""
 import foxhunt_stream as fs
 PF = fs.prefetch({directory!r}, imports={trace!r}{prio})
@@ -281,10 +286,11 @@ def warm_cache(files: list[str]) -> None:
                 pass
 
 
-def run_variant(variant: str, directory: str, device: str, timeout: float, trace: str = DEFAULT_TRACE) -> dict:
+def run_variant(variant: str, directory: str, device: str, timeout: float, trace: str = DEFAULT_TRACE,
+                rate: float = DEFAULT_RATE) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    code = child_program(variant, directory, device, trace)
+    code = child_program(variant, directory, device, trace, rate)
     spawn = time.time()
     try:
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
@@ -465,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")
     ap.add_argument("--imports-trace", default=DEFAULT_TRACE,
                     help=f"variant 2t's import trace (written by each 2t run; default {DEFAULT_TRACE})")
+    ap.add_argument("--prefetch-rate", type=float, default=DEFAULT_RATE, help="variant 2tr's max_rate, bytes/s")
     args = ap.parse_args(argv)
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -506,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                     warm_cache(files)
                 else:
                     drop_caches()
-                r = run_variant(v, directory, args.device, args.timeout, args.imports_trace)
+                r = run_variant(v, directory, args.device, args.timeout, args.imports_trace, args.prefetch_rate)
                 r.update(variant=v, mode=mode, repeat=rep)
                 runs.append(r)
                 status = f"{r['total_s']:.2f} s" if "total_s" in r else "FAILED: " + r["error"].splitlines()[-1][:200]

@@ -25,7 +25,7 @@ from .integrity import Verifier
 from .pipeline import Job
 from .placement import interleave_by_device, parse_device_map, resolve_device_map
 from .plan import LoadPlan, Selection, plan_load
-from .warm import warming
+from .warm import loading, warming
 from .progress import NO_PROGRESS, Progress, progress_bar
 from .shard import Shard, indices_for, shard_shape
 from .source import FileSource, open_source, resident_fraction
@@ -56,6 +56,7 @@ def open_sources(ck: Checkpoint, s: _settings.Settings) -> list[FileSource]:
     out = []
     try:
         for i, (p, h) in enumerate(zip(ck.paths, ck.headers)):
+            loading(p)   # a prefetch holding back for the imports: the load wants these bytes now
             out.append(open_source(p, _backend_for(p, s), h.file_size))
             if ck.identities:   # the file opened must be the one whose header we hold
                 out[-1].identity = ck.identities[i]

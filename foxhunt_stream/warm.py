@@ -36,6 +36,7 @@ log = logging.getLogger("foxhunt_stream")
 
 READ_BYTES = 1 << 20   # the reusable buffer per reader thread (where sendfile cannot warm the cache)
 WARM_BYTES = 64 << 20  # bytes per sendfile call: the GIL is taken back once per this many bytes
+PACED_BYTES = 4 << 20  # ... while max_rate holds the readers back
 METHODS = ("read", "advise")
 PRIORITIES = ("idle", "normal")
 DEFAULT_THREADS = 8    # readers when the caller names none (at most the loader's thread count)
@@ -504,6 +505,50 @@ def warming(path: str | os.PathLike) -> bool:
     return any(not h.done() and real in h._real_paths for h in handles)
 
 
+def loading(path: str | os.PathLike) -> None:
+    """A load of ``path`` starts: the prefetches warming it drop their ``max_rate`` (the rate
+    left the disk to the imports; now the load waits for these bytes)."""
+    real = os.path.realpath(path)
+    with _live_lock:
+        handles = list(_live)
+    for h in handles:
+        if real in h._real_paths:
+            h.unthrottle()
+
+
+class Pacer:
+    """Spaces reads so that together they take at most ``rate`` bytes per second, until
+    ``release()``; ``take(n)`` blocks the calling reader until its ``n`` bytes are due."""
+
+    def __init__(self, rate: float | None, clock=time.monotonic) -> None:
+        if rate is not None and not rate > 0:
+            raise ValueError(f"max_rate must be a positive number of bytes per second, got {rate!r}")
+        self.rate = rate
+        self._clock = clock
+        self._next = clock()
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+        if rate is None:
+            self._released.set()
+
+    def take(self, n: int) -> None:
+        if self._released.is_set():
+            return
+        with self._lock:
+            now = self._clock()
+            start = max(now, self._next)
+            self._next = start + n / self.rate
+        if start > now:
+            self._released.wait(start - now)
+
+    def release(self) -> None:
+        self._released.set()
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+
 class PrefetchHandle:
     """A prefetch in flight. ``wait()`` blocks until every piece is read (``wait(name)``: only
     that tensor's bytes) and re-raises a reader's error; ``done()`` polls; ``cancel()`` stops the
@@ -511,7 +556,8 @@ class PrefetchHandle:
 
     def __init__(self, ck: Checkpoint, pieces: list[Piece], sources: dict[int, FileSource],
                  name_pieces: dict[str, tuple[int, int]], threads: int, method: str,
-                 priority: str = "normal", modules_first: tuple | None = None) -> None:
+                 priority: str = "normal", modules_first: tuple | None = None,
+                 max_rate: float | None = None) -> None:
         self.paths = list(ck.paths)
         # modules_first = (packages, import trace, piece bytes, skip_resident): their files are
         # found and read on the readers' threads before the checkpoint's pieces (code_files); a piece
@@ -531,6 +577,7 @@ class PrefetchHandle:
         self._bytes_done = 0
         self._cond = threading.Condition()
         self._buffers: list[np.ndarray | None] = [None] * max(1, threads)
+        self._pacer = Pacer(max_rate)
         self._code_buffers: list[np.ndarray | None] = [None] * CODE_THREADS
         self._closer = weakref.finalize(self, _close_sources, sources)
         self.started = time.perf_counter()
@@ -604,11 +651,15 @@ class PrefetchHandle:
             self._advise(src.fd, piece)
         if self._method == "advise":
             return
-        for off in range(piece.offset, piece.end, WARM_BYTES):
+        off = piece.offset
+        while off < piece.end:
             if self._job.cancelled():
                 raise Cancelled("cancelled")   # not landed: on_done must not run for this piece
-            # a short or failed read of the checkpoint is an error
-            src.warm(off, min(WARM_BYTES, piece.end - off), self._buffers[worker])
+            # paced: small steps, so the disk's queue stays short between them
+            n = min(WARM_BYTES if self._pacer.released else PACED_BYTES, piece.end - off)
+            self._pacer.take(n)
+            src.warm(off, n, self._buffers[worker])   # a short or failed read is an error
+            off += n
 
     def _advise(self, fd: int, piece: Piece) -> None:
         """``posix_fadvise(WILLNEED)``: the kernel queues the whole piece at once. Not for the
@@ -696,8 +747,13 @@ class PrefetchHandle:
             self._job.wait()   # raises the error that stopped it
             raise RuntimeError(f"prefetch ended before {name!r} was read")
 
+    def unthrottle(self) -> None:
+        """Drop ``max_rate``: read the rest as fast as the disk goes (a load of the files began)."""
+        self._pacer.release()
+
     def cancel(self) -> None:
-        """Stop the readers (each finishes at most its current 1 MiB read) and close the files."""
+        """Stop the readers (each finishes at most its current read) and close the files."""
+        self._pacer.release()
         self._job.cancel()
         try:
             self._job.wait()
@@ -720,7 +776,7 @@ def _close_sources(sources: dict[int, FileSource]) -> None:
 
 def prefetch(source, names: Names = None, *, method: str = "read", skip_resident: bool = True,
              priority: str = "idle", modules: Sequence[str] = (), imports: str | os.PathLike | None = None,
-             **options) -> PrefetchHandle:
+             max_rate: float | None = None, **options) -> PrefetchHandle:
     """Start warming the page cache with a checkpoint's bytes; returns at once with a handle.
 
     ``source`` and ``names`` are as in ``load_file`` (``names=None``: whole files). ``method``:
@@ -738,12 +794,16 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     ``imports``: a trace written by ``record_imports`` at an earlier start: exactly the files
     that start loaded (the packages' dependencies and the standard library too), read first in
     the order they were needed; a missing trace (the first start) reads nothing extra.
+    ``max_rate``: at most this many bytes per second of the checkpoint (not of the code files),
+    until a load of its files starts (``loading``) or ``unthrottle()``: a disk kept busy makes
+    every read the imports still do wait behind the prefetch's queue.
     Needs neither torch nor cupy; call it before importing them.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+    Pacer(max_rate)   # a bad max_rate fails here, before any file is opened
     s = _settings.merge(**options)
     # A disk streams sequentially with a few readers (each has a whole piece in flight); more
     # would only compete with the imports running meanwhile for the same disk and cores.
@@ -785,7 +845,7 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
         imports = os.path.expanduser(os.fspath(imports))
         watch_opens()   # so that record_imports can list what this start reads
     modules_first = (tuple(modules), imports, s.chunk_bytes, skip_resident) if modules or imports else None
-    return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method, priority, modules_first)
+    return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method, priority, modules_first, max_rate)
 
 
 class WarmupHandle:

@@ -396,3 +396,59 @@ def test_a_recorded_trace_holds_the_files_and_directories_the_start_read(tmp_pat
     assert str(listed) in dirs
     colorsys_at = [i for i, p in enumerate(paths) if "colorsys" in p]
     assert colorsys_at and colorsys_at[0] < paths.index(os.path.realpath(data))   # in the order they were read
+
+
+# ---------------------------------------------------------------- max_rate: leave the disk to the imports
+
+def test_pacer_spaces_reads_at_the_rate_until_released():
+    now = [100.0]
+    p = warm.Pacer(1000.0, clock=lambda: now[0])
+    waits = []
+    p._released.wait = lambda t: waits.append(round(t, 6)) or False
+    p.take(500)            # due at once
+    p.take(500)            # due 0.5 s later
+    now[0] += 0.2
+    p.take(1000)           # due at 101.0
+    assert waits == [0.5, 0.8]
+    now[0] += 5.0          # idle for a while: no burst credit beyond "now"
+    p.take(100)
+    assert waits == [0.5, 0.8]
+    p.release()
+    p.take(10 ** 9)
+    assert waits == [0.5, 0.8] and p.released
+    assert warm.Pacer(None).released
+    for bad in (0, -5, float("nan")):
+        with pytest.raises(ValueError, match="max_rate"):
+            warm.Pacer(bad)
+
+
+def test_a_paced_prefetch_reads_in_small_steps(tmp_path, monkeypatch):
+    path = _checkpoint(tmp_path)
+    steps = []
+    real = warm.Pacer.take
+    monkeypatch.setattr(warm.Pacer, "take", lambda self, n: (steps.append(n), real(self, n))[1])
+    h = fs.prefetch(path, skip_resident=False, max_rate=1e12)
+    h.wait()
+    assert sum(steps) == h.nbytes and max(steps) <= warm.PACED_BYTES
+
+
+def test_a_load_of_the_file_lifts_the_prefetch_rate_limit(tmp_path):
+    """max_rate holds the prefetch back only until the load wants the bytes: at 1 byte/s it would
+    take hours; the load starts, the prefetch is unthrottled, both finish."""
+    rng = np.random.default_rng(1)
+    path = str(tmp_path / "m.safetensors")
+    t = {f"w{i}": rng.standard_normal(300_000).astype(np.float32) for i in range(4)}
+    fs.save_file(t, path)
+    h = fs.prefetch(path, skip_resident=False, max_rate=1.0)
+    assert not h.done()
+    got = fs.load_file(path)
+    assert all(np.array_equal(got[k], v) for k, v in t.items())
+    h.wait(timeout=60)
+    assert h.done() and h.bytes_done == h.nbytes
+
+
+def test_bad_max_rate_is_refused_before_anything_opens(tmp_path):
+    path = _checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="max_rate"):
+        fs.prefetch(path, max_rate=0)
+    assert not {t for t in threading.enumerate() if t.name.startswith("foxhunt-prefetch")}

@@ -55,6 +55,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ("F", "E", "1", "2", "2w", "2p", "2t", "2tn", "2tr", "2T", "3")
 TRACED = ("2t", "2tn", "2tr", "2T")
 DEFAULT_RATE = 1e9
+PREFETCH_KEYS = ("prefetch_bytes", "prefetch_total", "prefetch_module_bytes", "prefetch_bytes_at_load")
 DEFAULT_TRACE = os.path.join("/tmp", "foxhunt_startup_imports.txt")
 LABELS = {
     "F": "floor (imports, CUDA, meta model)",
@@ -226,7 +227,8 @@ model.to_empty(device=DEV)
 T["to_empty"] = time.time()
 """ + ("WARMUP = WARMING.result()" if variant == "2w" else "WARMUP = fs.warmup(DEV)") + """
 T["fs_warmup"] = time.time()
-missing, unexpected = fs.torch.load_model(model, DIR)
+""" + ("""T["prefetch_bytes_at_load"] = PF.bytes_done
+""" if variant in ("2p",) + TRACED else "") + """missing, unexpected = fs.torch.load_model(model, DIR)
 assert not missing and not unexpected, (missing, unexpected)
 T["load"] = time.time()
 fix_rotary(model, DEV)
@@ -311,7 +313,7 @@ def run_variant(variant: str, directory: str, device: str, timeout: float, trace
         out["trace_files"] = result["trace_files"]
     if result.get("notes"):
         out["notes"] = result["notes"]
-    for k in ("prefetch_bytes", "prefetch_total", "prefetch_module_bytes"):
+    for k in PREFETCH_KEYS:
         if k in stamps:
             out[k] = stamps[k]
     return out
@@ -321,7 +323,7 @@ def _phases(spawn: float, stamps: dict) -> dict:
     """Durations between consecutive stamps, the first measured from the spawn."""
     out, prev = {}, spawn
     for k, v in stamps.items():
-        if k in ("prefetch_bytes", "prefetch_total", "prefetch_module_bytes"):
+        if k in PREFETCH_KEYS:
             continue
         out["python_start" if k == "start" else k] = v - prev
         prev = v

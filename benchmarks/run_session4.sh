@@ -13,7 +13,7 @@ timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --timeout=
   | tee "$OUT/pytest.log" | tail -4
 rm -f /tmp/foxhunt_startup_imports.txt
 timeout ${STARTUP_TIMEOUT:-420} python3 benchmarks/startup_bench.py /root/startup_ckpt --variants ${COLD_VARIANTS:-1,2t} \
-  --no-hot --cold --repeat ${COLD_REPEAT:-2} --timeout 80 --json "$OUT/startup_cold.json" 2>&1 | tail -16
+  --no-hot --cold --repeat ${COLD_REPEAT:-2} --timeout 80 --json "$OUT/startup_cold.json" ${STARTUP_ARGS:-} 2>&1 | tail -16
 cp /tmp/foxhunt_startup_imports.txt "$OUT/imports_trace.txt" 2>/dev/null
 python3 - <<'PY'
 import os

@@ -17,7 +17,7 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
     2p  2, with fs.prefetch(dir, modules=("torch", "nvidia", "transformers")) as the very first
         statement, before torch is imported (the packages' files are read first, then the weights)
     2t  2, with fs.prefetch(dir, imports=TRACE) first: the files an earlier start loaded
-        (``fs.warm.record_imports``, which each 2t run calls after its forward) are read first,
+        (``fs.record_imports``, which each 2t run calls after its forward) are read first,
         in the order they were needed, then the weights; a cold run with no trace yet gets a
         hot 2t run first that records one (not counted)
     2tn 2t with priority="normal": the weights read by 8 hinted readers, not 2 idle ones
@@ -265,7 +265,7 @@ T["forward"] = time.time()
     tail = """
 T["done"] = time.time()
 extra = {"warmup": WARMUP} if "WARMUP" in globals() else {}
-""" + (f"""extra["trace_files"] = fs.warm.record_imports({trace!r})   # for the next start: after the timing
+""" + (f"""extra["trace_files"] = fs.record_imports({trace!r})   # for the next start: after the timing
 """ if variant in TRACED else "") + """
 print("RESULT " + json.dumps({"stamps": T, "notes": NOTES, **extra}), flush=True)
 """

@@ -22,14 +22,14 @@ _LAZY = {
     "read_header": "checkpoint", "DistributedLoadError": "distributed", "VerifyReport": "integrity",
     "verify": "integrity", "LoadHandle": "loader", "LoadIntoWarning": "loader", "load_file": "loader",
     "load_into": "loader", "safe_open": "loader", "PrefetchHandle": "warm", "prefetch": "warm",
-    "warmup": "warm", "WarmupHandle": "warm", "save_file": "saver", "Shard": "shard", "clean_stale_temps": "sink",
+    "warmup": "warm", "WarmupHandle": "warm", "record_imports": "importtrace", "save_file": "saver", "Shard": "shard", "clean_stale_temps": "sink",
 }
 
 __all__ = [
     "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
     "safe_open", "load_file", "load_into", "save_file", "Shard", "LoadHandle", "read_header", "clean_stale_temps",
     "settings", "__version__", "prefetch", "PrefetchHandle", "warmup", "ChecksumError", "verify", "VerifyReport",
-    "DistributedLoadError", "WarmupHandle",
+    "DistributedLoadError", "WarmupHandle", "record_imports",
 ]
 
 if TYPE_CHECKING:   # what static tools see; at run time these load lazily
@@ -38,6 +38,7 @@ if TYPE_CHECKING:   # what static tools see; at run time these load lazily
     from .distributed import DistributedLoadError
     from .integrity import VerifyReport, verify
     from .loader import LoadHandle, LoadIntoWarning, load_file, load_into, safe_open
+    from .importtrace import record_imports
     from .warm import PrefetchHandle, WarmupHandle, prefetch, warmup
     from .saver import save_file
     from .shard import Shard

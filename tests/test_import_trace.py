@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 import foxhunt_stream as fs
+from foxhunt_stream import importtrace as itrace
 from foxhunt_stream import warm
-from foxhunt_stream.warm import (format_trace, merge_ranges, order_loaded_files, parse_import_trace, present_runs,
-                                 trace_files)
+from foxhunt_stream.importtrace import (format_trace, merge_ranges, order_loaded_files, parse_import_trace,
+                                        present_runs, trace_files)
 
 SP = os.path.join(os.sep, "py", "site-packages")
 STD = os.path.join(os.sep, "py", "lib")
@@ -72,7 +73,7 @@ def test_parse_skips_comments_and_blank_lines():
 
 def test_a_trace_round_trips_with_the_ranges_of_each_library():
     text = format_trace(["/a.pyc", "/lib/b.so", "/odd\tname.so"], {"/lib/b.so": [(0, 8192), (1 << 20, 3 << 20)]})
-    assert text.splitlines()[0] == warm.TRACE_HEADER
+    assert text.splitlines()[0] == itrace.TRACE_HEADER
     assert parse_import_trace(text) == [("/a.pyc", None), ("/lib/b.so", [(0, 8192), (1 << 20, 3 << 20)])]
 
 
@@ -100,7 +101,7 @@ def test_trace_files_skips_what_is_gone_and_a_missing_trace_lists_nothing(tmp_pa
     a.write_bytes(b"x" * 100)
     (tmp_path / "empty.pyc").write_bytes(b"")
     trace = tmp_path / "t.txt"
-    trace.write_text(f"{warm.TRACE_HEADER}\n{tmp_path / 'gone.so'}\n{a}\n{tmp_path / 'empty.pyc'}\n"
+    trace.write_text(f"{itrace.TRACE_HEADER}\n{tmp_path / 'gone.so'}\n{a}\n{tmp_path / 'empty.pyc'}\n"
                      f"{a}\t10+20,90+50,200+10\n")   # ranges clipped to the file as it is now
     assert trace_files(trace) == [(str(a), [(0, 100)]), (str(a), [(10, 30), (90, 100)])]
     assert trace_files(tmp_path / "no-trace-yet.txt") == []
@@ -111,14 +112,14 @@ def test_record_imports_lists_this_process_code_in_import_order(tmp_path):
     source), a module imported later is listed later, and only the trace file is left behind."""
     trace = tmp_path / "sub" / "imports.txt"
     code = ("import sys; sys.path.insert(0, sys.argv[2])\n"
-            "import foxhunt_stream.warm as w\n"
+            "import foxhunt_stream.importtrace as w\n"
             "import colorsys\n"
             "print(w.record_imports(sys.argv[1]))\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(fs.__file__)))
     out = subprocess.run([sys.executable, "-c", code, str(trace), root], capture_output=True, text=True,
                          check=True, timeout=60)
     lines = trace.read_text().splitlines()
-    assert lines[0] == warm.TRACE_HEADER
+    assert lines[0] == itrace.TRACE_HEADER
     entries = parse_import_trace(trace.read_text())
     files = [f for f, _ in entries]
     assert int(out.stdout.strip()) == len(files) and len(files) == len(set(files))
@@ -149,7 +150,7 @@ def test_prefetch_reads_the_trace_in_order_then_the_checkpoint(tmp_path, monkeyp
         f.write_bytes(bytes([i + 1]) * size)
         files.append(str(f))
     trace = tmp_path / "imports.txt"
-    trace.write_text(warm.TRACE_HEADER + "\n" + "\n".join([files[0], str(tmp_path / "gone.pyc"), *files[1:]]) + "\n")
+    trace.write_text(itrace.TRACE_HEADER + "\n" + "\n".join([files[0], str(tmp_path / "gone.pyc"), *files[1:]]) + "\n")
     path = _checkpoint(tmp_path)
     order: list[str] = []
     real_work, real_code = warm.PrefetchHandle._work, warm.PrefetchHandle._read_module_file
@@ -175,7 +176,7 @@ def test_prefetch_reads_only_the_listed_ranges_of_a_library(tmp_path, monkeypatc
     lib = tmp_path / "libbig.so"
     lib.write_bytes(b"L" * 100_000)
     trace = tmp_path / "imports.txt"
-    trace.write_text(f"{warm.TRACE_HEADER}\n{lib}\t0+4096,40960+20000\n")
+    trace.write_text(f"{itrace.TRACE_HEADER}\n{lib}\t0+4096,40960+20000\n")
     path = _checkpoint(tmp_path)
     read: list[tuple[int, int]] = []
     real = warm.PrefetchHandle._read_module_file
@@ -197,7 +198,7 @@ def test_warm_metadata_lists_each_package_once_and_stats_the_sources(tmp_path, m
     real_stat, real_listdir = os.stat, os.listdir
     monkeypatch.setattr(os, "stat", lambda q, *a, **k: (calls.append(("stat", str(q))), real_stat(q, *a, **k))[1])
     monkeypatch.setattr(os, "listdir", lambda q: (calls.append(("list", str(q))), real_listdir(q))[1])
-    warm.warm_metadata([str(pkg / "__pycache__" / "a.cpython-312.pyc"), str(pkg / "__pycache__" / "b.cpython-312.pyc"),
+    itrace.warm_metadata([str(pkg / "__pycache__" / "a.cpython-312.pyc"), str(pkg / "__pycache__" / "b.cpython-312.pyc"),
                         str(pkg / "_ext.so")])
     assert calls == [("stat", str(pkg / "a.py")), ("list", str(pkg)), ("stat", str(pkg / "b.py"))]
 
@@ -211,7 +212,7 @@ def test_prefetch_with_modules_and_a_trace_reads_each_file_once(tmp_path, monkey
     (pkg / "_b.so").write_bytes(b"b" * 2000)
     monkeypatch.syspath_prepend(str(root))
     trace = tmp_path / "imports.txt"
-    trace.write_text(f"{warm.TRACE_HEADER}\n{os.path.realpath(pkg / '_a.so')}\n")
+    trace.write_text(f"{itrace.TRACE_HEADER}\n{os.path.realpath(pkg / '_a.so')}\n")
     path = _checkpoint(tmp_path)
     h = fs.prefetch(path, skip_resident=False, threads=1, imports=str(trace), modules=["fhtracepkg"])
     h.wait()
@@ -234,7 +235,7 @@ def test_record_imports_leaves_no_debris_when_it_cannot_write(tmp_path, monkeypa
         raise OSError("disk full")
     monkeypatch.setattr(os, "replace", broken)
     with pytest.raises(OSError, match="disk full"):
-        warm.record_imports(target)
+        itrace.record_imports(target)
     assert target.read_text() == "old trace\n" and sorted(os.listdir(tmp_path)) == ["imports.txt"]
 
 
@@ -245,7 +246,7 @@ def test_code_files_are_hinted_at_normal_priority_while_the_checkpoint_idles(tmp
     lib = tmp_path / "libx.so"
     lib.write_bytes(b"x" * 50_000)
     trace = tmp_path / "imports.txt"
-    trace.write_text(f"{warm.TRACE_HEADER}\n{lib}\n")
+    trace.write_text(f"{itrace.TRACE_HEADER}\n{lib}\n")
     path = _checkpoint(tmp_path)
     idle_threads, code_threads, hinted = set(), set(), []
     monkeypatch.setattr(warm, "set_idle_io_priority", lambda: idle_threads.add(threading.current_thread()) or True)
@@ -309,45 +310,68 @@ def test_file_source_warm_falls_back_to_reads_and_reports_truncation(tmp_path, m
 
 def test_prefetch_takes_the_gil_back_once_per_64_mib_not_per_mib(tmp_path, monkeypatch):
     """A reader that needs the GIL after every 1 MiB read makes the importing main thread wait at
-    each of its own system calls; the checkpoint is warmed with one call per 64 MiB piece."""
+    each of its own system calls; at normal priority the checkpoint is warmed with one call per
+    64 MiB piece."""
     from foxhunt_stream import source
     path = str(tmp_path / "big.safetensors")
     fs.save_file({"w": np.zeros(40 << 20, np.uint8), "v": np.zeros(100, np.uint8)}, path)
     calls = []
     real = source.FileSource.warm
     monkeypatch.setattr(source.FileSource, "warm", lambda self, off, n, buf: (calls.append(n), real(self, off, n, buf))[1])
-    h = fs.prefetch(path, skip_resident=False, chunk_bytes=128 << 20)
+    h = fs.prefetch(path, skip_resident=False, chunk_bytes=128 << 20, priority="normal")
     h.wait()
     assert sum(calls) == h.nbytes == os.path.getsize(path) and len(calls) == 1
+
+
+def test_idle_readers_take_small_steps_until_a_load_begins(tmp_path, monkeypatch):
+    """priority="idle": 4 MiB per call, so the kernel's readahead does not keep the disk's queue
+    full in front of the imports; once a load of the file starts, 64 MiB per call."""
+    from foxhunt_stream import source
+    path = str(tmp_path / "big.safetensors")
+    fs.save_file({"w": np.zeros(40 << 20, np.uint8)}, path)
+    calls = []
+    real = source.FileSource.warm
+    monkeypatch.setattr(source.FileSource, "warm", lambda self, off, n, buf: (calls.append(n), real(self, off, n, buf))[1])
+    h = fs.prefetch(path, skip_resident=False, chunk_bytes=128 << 20)
+    h.wait()
+    assert sum(calls) == h.nbytes and max(calls) == warm.PACED_BYTES
+    steps = {}
+    for prio, rate in (("idle", None), ("normal", None), ("normal", 1e9)):
+        h = fs.prefetch(path, names=[], priority=prio, max_rate=rate)
+        before = h._step()
+        h.unthrottle()   # what loading(path) does when a load opens the file
+        steps[prio, rate] = (before, h._step())
+    big, small = warm.WARM_BYTES, warm.PACED_BYTES
+    assert steps == {("idle", None): (small, big), ("normal", None): (big, big), ("normal", 1e9): (small, big)}
 
 
 # ---------------------------------------------------------------- what Python code opens (audit hook)
 
 @pytest.fixture
 def fresh_open_log(monkeypatch):
-    monkeypatch.setattr(warm, "_opened", [])
-    return warm._opened
+    monkeypatch.setattr(itrace, "_opened", [])
+    return itrace._opened
 
 
 def test_the_audit_hook_notes_reads_and_listings_only(tmp_path, fresh_open_log):
     f = str(tmp_path / "a.json")
-    warm._audit("open", (f, "r", 0))
-    warm._audit("open", (f + "2", None, os.O_RDONLY | os.O_CLOEXEC))
+    itrace._audit("open", (f, "r", 0))
+    itrace._audit("open", (f + "2", None, os.O_RDONLY | os.O_CLOEXEC))
     for mode in ("w", "ab", "r+", "x"):
-        warm._audit("open", (str(tmp_path / f"w{mode}"), mode, 0))
-    warm._audit("open", (str(tmp_path / "wo"), None, os.O_WRONLY | os.O_CREAT))
-    warm._audit("open", (3, "rb", 0))                      # an fd, not a path
-    warm._audit("open", ("/proc/self/maps", "r", 0))        # not a file on a disk
-    warm._audit("os.listdir", (str(tmp_path),))
-    warm._audit("os.scandir", (None,))
-    warm._audit("compile", (b"x", "<string>"))
+        itrace._audit("open", (str(tmp_path / f"w{mode}"), mode, 0))
+    itrace._audit("open", (str(tmp_path / "wo"), None, os.O_WRONLY | os.O_CREAT))
+    itrace._audit("open", (3, "rb", 0))                      # an fd, not a path
+    itrace._audit("open", ("/proc/self/maps", "r", 0))        # not a file on a disk
+    itrace._audit("os.listdir", (str(tmp_path),))
+    itrace._audit("os.scandir", (None,))
+    itrace._audit("compile", (b"x", "<string>"))
     assert fresh_open_log == [f, f + "2", str(tmp_path) + os.sep]
 
 
 def test_reader_threads_opens_are_not_the_process(fresh_open_log, tmp_path):
     def reader():
-        warm._quiet.on = True
-        warm._audit("open", (str(tmp_path / "checkpoint-piece"), None, os.O_RDONLY))
+        itrace._quiet.on = True
+        itrace._audit("open", (str(tmp_path / "checkpoint-piece"), None, os.O_RDONLY))
     t = threading.Thread(target=reader)
     t.start()
     t.join()
@@ -361,18 +385,18 @@ def test_opened_files_are_real_small_regular_files_first_use_first(tmp_path, fre
     big.write_bytes(b"x" * 2000)
     link = tmp_path / "link.txt"
     link.symlink_to(a)
-    monkeypatch.setattr(warm, "DATA_FILE_LIMIT", 1000)
+    monkeypatch.setattr(itrace, "DATA_FILE_LIMIT", 1000)
     fresh_open_log += [str(b), str(link), str(a), str(big), str(st), str(tmp_path / "gone"), str(tmp_path) + os.sep,
                        str(b)]
-    assert warm.opened_files() == ([os.path.realpath(b), os.path.realpath(a)], [str(tmp_path)])
+    assert itrace.opened_files() == ([os.path.realpath(b), os.path.realpath(a)], [str(tmp_path)])
 
 
 def test_read_trace_separates_directories(tmp_path):
     a = tmp_path / "a.pyc"
     a.write_bytes(b"x" * 10)
     trace = tmp_path / "t.txt"
-    trace.write_text(f"{warm.TRACE_HEADER}\n{tmp_path}{os.sep}\n{a}\n{tmp_path}\n")   # a directory without the mark: skipped
-    assert warm.read_trace(trace) == ([(str(a), [(0, 10)])], [str(tmp_path)])
+    trace.write_text(f"{itrace.TRACE_HEADER}\n{tmp_path}{os.sep}\n{a}\n{tmp_path}\n")   # a directory without the mark: skipped
+    assert itrace.read_trace(trace) == ([(str(a), [(0, 10)])], [str(tmp_path)])
 
 
 def test_a_recorded_trace_holds_the_files_and_directories_the_start_read(tmp_path):
@@ -382,7 +406,7 @@ def test_a_recorded_trace_holds_the_files_and_directories_the_start_read(tmp_pat
     listed.mkdir()
     trace = tmp_path / "imports.txt"
     code = ("import sys, os; sys.path.insert(0, sys.argv[2])\n"
-            "import foxhunt_stream.warm as w\n"
+            "import foxhunt_stream.importtrace as w\n"
             "w.watch_opens()\n"
             "import colorsys\n"
             "open(sys.argv[3]).read(); os.listdir(sys.argv[4])\n"
@@ -390,7 +414,7 @@ def test_a_recorded_trace_holds_the_files_and_directories_the_start_read(tmp_pat
             "w.record_imports(sys.argv[1])\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(fs.__file__)))
     subprocess.run([sys.executable, "-c", code, str(trace), root, str(data), str(listed)], check=True, timeout=60)
-    files, dirs = warm.read_trace(trace)
+    files, dirs = itrace.read_trace(trace)
     paths = [p for p, _ in files]
     assert os.path.realpath(data) in paths and os.path.realpath(str(data) + ".out") not in paths
     assert str(listed) in dirs

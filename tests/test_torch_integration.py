@@ -616,7 +616,7 @@ def _fake_package(tmp_path, monkeypatch):
 
 def test_module_files_lists_a_packages_libraries_and_bytecode_without_importing_it(tmp_path, monkeypatch):
     import sys as _sys
-    from foxhunt_stream.warm import module_files
+    from foxhunt_stream.importtrace import module_files
     pkg, tag = _fake_package(tmp_path, monkeypatch)
     got = module_files(["fhfakepkg", "no_such_package_fh"])
     assert [os.path.relpath(p, pkg) for p, _ in got] == [os.path.join("lib", "libbig.so.12"), "_ext.so",
@@ -700,7 +700,8 @@ def test_prefetch_module_discovery_errors_are_best_effort(tmp_path, monkeypatch)
 
     def broken(modules):
         raise RuntimeError("finder broke")
-    monkeypatch.setattr(warm_mod, "module_files", broken)
+    from foxhunt_stream import importtrace
+    monkeypatch.setattr(importtrace, "module_files", broken)
     errors = []
     monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
     h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, modules=["fhfakepkg"])

@@ -1,0 +1,59 @@
+#!/usr/bin/env python
+"""Stacked phases of startup_bench runs, one bar per run, grouped by the file they came from:
+
+    python benchmarks/plot_startup_phases.py out.png run1.json run2.json ... [--variants 1,2t,2tr]
+
+Shows where a variant's seconds go (imports, CUDA + model + warmup, load, forward), so a
+prefetch that slows the imports by what it saves in the load is visible at a glance."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+GROUPS = (("imports", ("python_start", "prefetch_started", "import_torch", "import_transformers"), "#7570b3"),
+          ("CUDA, model, warmup", ("cuda_init", "import_foxhunt", "meta_model", "to_empty", "fs_warmup"), "#bbbbbb"),
+          ("load", ("load",), "#d95f02"),
+          ("forward", ("forward",), "#1b9e77"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("png")
+    ap.add_argument("json", nargs="+")
+    ap.add_argument("--variants", default="1,2t,2tn,2tr,2T")
+    ap.add_argument("--title", default="cold start (drop_caches), seconds from spawn to first forward")
+    args = ap.parse_args(argv)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keep = args.variants.split(",")
+    bars: list[tuple[str, dict]] = []
+    for path in args.json:
+        with open(path) as f:
+            runs = [r for r in json.load(f)["runs"] if r.get("variant") in keep and "phases_s" in r]
+        tag = os.path.splitext(os.path.basename(path))[0].rsplit("_", 1)[-1]
+        bars += [(f"{r['variant']}\n{tag}", r) for r in sorted(runs, key=lambda r: keep.index(r["variant"]))]
+    fig, ax = plt.subplots(figsize=(0.55 * len(bars) + 2.5, 4.8))
+    for i, (_, r) in enumerate(bars):
+        bottom = 0.0
+        for label, keys, color in GROUPS:
+            h = sum(r["phases_s"].get(k, 0.0) for k in keys)
+            ax.bar(i, h, 0.75, bottom=bottom, color=color, label=label if i == 0 else None)
+            bottom += h
+        ax.text(i, r["total_s"], f"{r['total_s']:.1f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels([b for b, _ in bars], fontsize=7)
+    ax.set_ylabel("seconds")
+    ax.set_title(args.title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=130)
+    print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -136,7 +136,7 @@ def fix_rotary(model, dev):
 
 
 def child_program(variant: str, directory: str, device: str, trace: str = DEFAULT_TRACE,
-                  rate: float = DEFAULT_RATE) -> str:
+                  rate: float = DEFAULT_RATE, tune: str = "", step: int | None = None) -> str:
     """The ``python -c`` program of one variant. Stamps are time.time() (comparable with the
     parent's spawn time); the last line printed is ``RESULT {json}``."""
     cuda = device.startswith("cuda")
@@ -151,9 +151,11 @@ T["prefetch_started"] = time.time()
 """
     elif variant in TRACED:
         prio = {"2tn": ', priority="normal"', "2T": ", names=[]", "2tr": f", max_rate={rate!r}"}.get(variant, "")
+        prio += f", {tune}" if tune else ""
+        pace = f"import foxhunt_stream.warm; foxhunt_stream.warm.PACED_BYTES = {int(step)}\n" if step else ""
         pre = f"""
 import foxhunt_stream as fs
-PF = fs.prefetch({directory!r}, imports={trace!r}{prio})
+{pace}PF = fs.prefetch({directory!r}, imports={trace!r}{prio})
 T["prefetch_started"] = time.time()
 """
     head = f"""
@@ -289,10 +291,10 @@ def warm_cache(files: list[str]) -> None:
 
 
 def run_variant(variant: str, directory: str, device: str, timeout: float, trace: str = DEFAULT_TRACE,
-                rate: float = DEFAULT_RATE) -> dict:
+                rate: float = DEFAULT_RATE, tune: str = "", step: int | None = None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    code = child_program(variant, directory, device, trace, rate)
+    code = child_program(variant, directory, device, trace, rate, tune, step)
     spawn = time.time()
     try:
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
@@ -474,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--imports-trace", default=DEFAULT_TRACE,
                     help=f"variant 2t's import trace (written by each 2t run; default {DEFAULT_TRACE})")
     ap.add_argument("--prefetch-rate", type=float, default=DEFAULT_RATE, help="variant 2tr's max_rate, bytes/s")
+    ap.add_argument("--prefetch-options", default="",
+                    help="more keyword arguments for the 2t variants' fs.prefetch, e.g. 'threads=4'")
+    ap.add_argument("--prefetch-step", type=int, default=None,
+                    help="bytes per call of the idle / paced prefetch readers (warm.PACED_BYTES, default 4 MiB)")
     args = ap.parse_args(argv)
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -515,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                     warm_cache(files)
                 else:
                     drop_caches()
-                r = run_variant(v, directory, args.device, args.timeout, args.imports_trace, args.prefetch_rate)
+                r = run_variant(v, directory, args.device, args.timeout, args.imports_trace, args.prefetch_rate,
+                                args.prefetch_options, args.prefetch_step)
                 r.update(variant=v, mode=mode, repeat=rep)
                 runs.append(r)
                 status = f"{r['total_s']:.2f} s" if "total_s" in r else "FAILED: " + r["error"].splitlines()[-1][:200]

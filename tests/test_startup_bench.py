@@ -50,3 +50,11 @@ def test_summary_subtracts_each_modes_floor():
     assert s["hot"]["2"]["load_GBps"] == 2.0
     assert s["cold"]["2"]["minus_floor_s"] == 10.0 and s["cold"]["2"]["load_GBps"] == 0.5
     assert s["hot"]["1"] == {"error": "exit 1: boom"} and "1" not in s["cold"]
+
+
+def test_prefetch_tuning_reaches_the_traced_variants_only():
+    code = sb.child_program("2t", "/d", "cpu", tune="threads=4", step=16 << 20)
+    compile(code, "<2t>", "exec")
+    assert "threads=4)" in code and "PACED_BYTES = 16777216" in code
+    assert code.index("PACED_BYTES") < code.index("fs.prefetch(")
+    assert "threads=4" not in sb.child_program("2", "/d", "cpu", tune="threads=4")

@@ -303,7 +303,7 @@ def record_imports(path: str | os.PathLike) -> int:
     tmp = f"{path}.{os.getpid()}.tmp"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:   # any file name
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
@@ -342,21 +342,24 @@ CodeFile = tuple[str, list[tuple[int, int]]]   # a file and the (start, end) ran
 def read_trace(path: str | os.PathLike) -> tuple[list[CodeFile], list[str]]:
     """The files of a trace that still exist, with the ranges to read (clipped to the file's
     size now), and the directories it lists (lines ending in a separator: only listed, see
-    ``warm_metadata``). A missing trace (the first start) lists nothing."""
+    ``warm_metadata``). A missing trace (the first start) lists nothing, and so does one that
+    cannot be read; lines that name no file (garbage, an embedded NUL) are skipped."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:   # names as os gives them
             listed = parse_import_trace(f.read())
-    except FileNotFoundError:
+    except (OSError, ValueError):   # best effort: a trace never stops the prefetch
         return [], []
     out: list[CodeFile] = []
     dirs: list[str] = []
     for p, ranges in listed:
+        if "\0" in p:
+            continue
         if p.endswith(os.sep) and len(p) > 1:
-            dirs.append(p.rstrip(os.sep))
+            dirs.append(p.rstrip(os.sep) or os.sep)
             continue
         try:
             st = os.stat(p)
-        except OSError:   # uninstalled or upgraded since: the import will find its own files
+        except (OSError, ValueError):   # uninstalled or upgraded since (or not a path): skip it
             continue
         if not stat.S_ISREG(st.st_mode):
             continue
@@ -392,7 +395,7 @@ def warm_metadata(files: Sequence[str], dirs: Sequence[str] = ()) -> None:
             listed.add(d)
             try:
                 os.listdir(d)
-            except OSError:
+            except (OSError, ValueError):
                 pass
     for p in files:
         d = os.path.dirname(p)
@@ -400,11 +403,11 @@ def warm_metadata(files: Sequence[str], dirs: Sequence[str] = ()) -> None:
             d = os.path.dirname(d)
             try:
                 os.stat(os.path.join(d, os.path.basename(p).split(".", 1)[0] + ".py"))
-            except OSError:
+            except (OSError, ValueError):
                 pass
         if d not in listed:
             listed.add(d)
             try:
                 os.listdir(d)
-            except OSError:
+            except (OSError, ValueError):
                 pass

@@ -476,3 +476,30 @@ def test_bad_max_rate_is_refused_before_anything_opens(tmp_path):
     with pytest.raises(ValueError, match="max_rate"):
         fs.prefetch(path, max_rate=0)
     assert not {t for t in threading.enumerate() if t.name.startswith("foxhunt-prefetch")}
+
+
+# ---------------------------------------------------------------- traces that are not what format_trace wrote
+
+def test_a_garbage_trace_is_read_line_by_line_and_never_raises(tmp_path):
+    """A trace is a hint: binary garbage, a NUL in a line, an unreadable trace must cost only their
+    own lines (before: UnicodeDecodeError / ValueError, and the prefetch dropped every code file,
+    the ``modules=`` packages' too)."""
+    a, b = tmp_path / "a.pyc", tmp_path / "b.pyc"
+    a.write_bytes(b"x" * 10)
+    b.write_bytes(b"y" * 20)
+    trace = tmp_path / "t.txt"
+    trace.write_bytes(itrace.TRACE_HEADER.encode() + b"\n" + os.fsencode(a) + b"\n\xff\xfe\x80garbage\n"
+                      + os.fsencode(tmp_path) + b"/x\x00y\n" + os.fsencode(tmp_path) + b"/d\x00/\n"
+                      + os.fsencode(b) + b"\t0+5\n")
+    assert itrace.read_trace(trace) == ([(str(a), [(0, 10)]), (str(b), [(0, 5)])], [])
+    assert itrace.read_trace(tmp_path) == ([], [])   # a directory, not a trace
+    itrace.warm_metadata([str(tmp_path / "x\x00y.pyc")], [str(tmp_path / "d\x00")])   # no raise
+
+
+def test_a_file_name_that_is_not_utf8_round_trips_through_a_trace(tmp_path, fresh_open_log):
+    odd = tmp_path / os.fsdecode(b"caf\xe9.json")   # Latin-1 bytes: surrogate-escaped in Python
+    odd.write_bytes(b"{}")
+    fresh_open_log.append(str(odd))
+    trace = tmp_path / "imports.txt"
+    itrace.record_imports(trace)   # before: UnicodeEncodeError, and no trace at all
+    assert str(odd) in [p for p, _ in itrace.read_trace(trace)[0]]

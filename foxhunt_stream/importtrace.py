@@ -187,10 +187,23 @@ _opened: list[str] = []          # files opened for reading / directories listed
 _watching = False
 DATA_FILE_LIMIT = 64 << 20       # bigger files opened by Python code (checkpoints) are not traced
 _UNTRACED = ("/proc/", "/sys/", "/dev/")
+OPENED_LIMIT = 1 << 16           # notes kept at most: a start's imports read a few thousand files
 
 
 def _audit(event: str, args: tuple) -> None:
-    """The audit hook (PEP 578) of ``watch_opens``: cheap, and never raises."""
+    """The audit hook (PEP 578) of ``watch_opens``: cheap, and never raises (it runs in every
+    thread for every audited event, for the rest of the process: hooks cannot be removed)."""
+    if event != "open" and event != "os.listdir" and event != "os.scandir":
+        return
+    try:
+        _note(event, args)
+    except Exception:   # noqa: BLE001 - a hook must not break the open it watches
+        pass
+
+
+def _note(event: str, args: tuple) -> None:
+    if len(_opened) >= OPENED_LIMIT:   # a long-running server keeps opening files: bounded
+        return
     if event == "open":
         path, mode, flags = args
         if not isinstance(path, str):
@@ -200,19 +213,14 @@ def _audit(event: str, args: tuple) -> None:
                 return
         elif not isinstance(flags, int) or flags & 3:   # O_WRONLY / O_RDWR
             return
-    elif event == "os.listdir" or event == "os.scandir":
+    else:
         path = args[0] if args else None
         if not isinstance(path, str) or not path:
             return
         path = path.rstrip(os.sep) + os.sep
-    else:
-        return
     if getattr(_quiet, "on", False) or path.startswith(_UNTRACED):
         return
-    try:
-        _opened.append(os.path.abspath(path) + (os.sep if path.endswith(os.sep) else ""))
-    except Exception:   # noqa: BLE001 - a hook must not break the open it watches
-        pass
+    _opened.append(os.path.abspath(path) + (os.sep if path.endswith(os.sep) else ""))
 
 
 def _quietly(fn, *args) -> None:

@@ -503,3 +503,15 @@ def test_a_file_name_that_is_not_utf8_round_trips_through_a_trace(tmp_path, fres
     trace = tmp_path / "imports.txt"
     itrace.record_imports(trace)   # before: UnicodeEncodeError, and no trace at all
     assert str(odd) in [p for p, _ in itrace.read_trace(trace)[0]]
+
+
+def test_the_audit_hook_never_raises_and_its_log_is_bounded(tmp_path, fresh_open_log, monkeypatch):
+    """The hook stays installed for the life of the process and sees every thread's opens: an
+    "open" event raised with other arguments (``sys.audit`` is public) must not make the audited
+    call fail, and a server that keeps opening files must not grow the log without end."""
+    itrace._audit("open", ("only-a-path",))   # before: ValueError out of the caller's open
+    itrace._audit("os.listdir", 42)
+    monkeypatch.setattr(itrace, "OPENED_LIMIT", 100)
+    for i in range(1000):
+        itrace._audit("open", (str(tmp_path / f"request-{i}.json"), "r", 0))
+    assert len(fresh_open_log) == 100 and fresh_open_log[0] == str(tmp_path / "request-0.json")

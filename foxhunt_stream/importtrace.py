@@ -392,13 +392,15 @@ def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> tup
     return out, dirs
 
 
-def warm_metadata(files: Sequence[str], dirs: Sequence[str] = ()) -> None:
+def warm_metadata(files: Sequence[str], dirs: Sequence[str] = (), stop=None) -> None:
     """What an import touches besides the bytecode: the listing of each package directory (and
     of ``dirs``, those the traced start listed) and the source file's ``stat`` (the bytecode is
     checked against it). After ``drop_caches`` these are small random reads of directories and
-    inodes; done ahead, the import finds them cached."""
+    inodes; done ahead, the import finds them cached. ``stop()`` true: return at once (cancel)."""
     listed: set[str] = set()
     for d in dirs:
+        if stop is not None and stop():
+            return
         if d not in listed:
             listed.add(d)
             try:
@@ -406,6 +408,8 @@ def warm_metadata(files: Sequence[str], dirs: Sequence[str] = ()) -> None:
             except (OSError, ValueError):
                 pass
     for p in files:
+        if stop is not None and stop():
+            return
         d = os.path.dirname(p)
         if os.path.basename(d) == "__pycache__":   # pkg/__pycache__/mod.cpython-312.pyc -> pkg, pkg/mod.py
             d = os.path.dirname(d)

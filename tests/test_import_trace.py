@@ -515,3 +515,46 @@ def test_the_audit_hook_never_raises_and_its_log_is_bounded(tmp_path, fresh_open
     for i in range(1000):
         itrace._audit("open", (str(tmp_path / f"request-{i}.json"), "r", 0))
     assert len(fresh_open_log) == 100 and fresh_open_log[0] == str(tmp_path / "request-0.json")
+
+
+def test_cancel_stops_the_code_readers_and_the_metadata_thread(tmp_path, monkeypatch):
+    """cancel() while the trace's files are read: the remaining code files are neither opened nor
+    hinted (before: each got a WILLNEED hint after cancel, queueing the rest of the trace on the
+    disk), and the metadata thread stops and is joined (before: it went on listing)."""
+    libs = []
+    for i in range(50):
+        f = tmp_path / f"lib{i}.so"
+        f.write_bytes(b"x" * 10_000)
+        libs.append(str(f))
+    trace = tmp_path / "imports.txt"
+    trace.write_text(itrace.TRACE_HEADER + "\n" + "\n".join(libs) + "\n"
+                     + "".join(f"{tmp_path / f'd{i}'}{os.sep}\n" for i in range(50)))
+    path = _checkpoint(tmp_path)
+    both_in, gate, cancelling, after_cancel = threading.Barrier(3), threading.Event(), threading.Event(), []
+    real_sendfile, real_advise, real_listdir = warm.sendfile_to_null, os.posix_fadvise, os.listdir
+
+    def sendfile(*a):
+        if not gate.is_set():
+            both_in.wait(10)   # both code readers are here, each with one piece hinted
+            gate.wait(10)
+        return real_sendfile(*a)
+
+    def advise(fd, off, n, how):
+        if cancelling.is_set():
+            after_cancel.append(off)
+        return real_advise(fd, off, n, how)
+
+    def listdir(d):
+        gate.wait(10)
+        return real_listdir(d)
+    monkeypatch.setattr(warm, "CODE_THREADS", 2)
+    monkeypatch.setattr(warm, "sendfile_to_null", sendfile)
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    monkeypatch.setattr(os, "listdir", listdir)
+    h = fs.prefetch(path, skip_resident=False, imports=trace)
+    both_in.wait(10)
+    cancelling.set()
+    threading.Timer(0.2, gate.set).start()   # the two reads in flight finish their piece
+    h.cancel()
+    assert h.done() and after_cancel == []
+    assert not [t for t in threading.enumerate() if t.name == "foxhunt-prefetch-metadata"]

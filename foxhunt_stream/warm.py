@@ -310,9 +310,10 @@ class PrefetchHandle:
             self._advise(fd, piece)
             if self._method == "advise" or self._job.cancelled():
                 return
-            if sendfile_to_null(fd, piece.offset, piece.length) is None:
+            got = sendfile_to_null(fd, piece.offset, piece.length) or 0
+            if got < piece.length:   # no sendfile, or it stopped part way (or end of file)
                 buf = self._code_buffers[worker]
-                for off in range(piece.offset, piece.end, READ_BYTES):
+                for off in range(piece.offset + got, piece.end, READ_BYTES):
                     if os.preadv(fd, [buf[:min(READ_BYTES, piece.end - off)]], off) <= 0:
                         return   # shorter than listed (rewritten): nothing more to warm
         except OSError:

@@ -558,3 +558,58 @@ def test_cancel_stops_the_code_readers_and_the_metadata_thread(tmp_path, monkeyp
     h.cancel()
     assert h.done() and after_cancel == []
     assert not [t for t in threading.enumerate() if t.name == "foxhunt-prefetch-metadata"]
+
+
+def test_sendfile_that_stops_part_way_is_finished_with_reads(tmp_path, monkeypatch):
+    """A filesystem where sendfile fails after some bytes (EINVAL part way): the rest is read
+    with pread, not reported as a failed prefetch (before: the OSError ended the whole prefetch)."""
+    import errno as _errno
+
+    from foxhunt_stream import source
+    f = tmp_path / "blob"
+    f.write_bytes(b"z" * 10_000)
+    real_sendfile, calls = os.sendfile, []
+
+    def flaky(out, fd, off, n):
+        calls.append(off)
+        if len(calls) == 1:
+            return real_sendfile(out, fd, off, 4096)
+        raise OSError(_errno.EINVAL, "not any more")
+    monkeypatch.setattr(os, "sendfile", flaky)
+    preads = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: (preads.append(off), real_preadv(fd, bufs, off))[1])
+    with source.FileSource(f) as src:
+        src.warm(0, 10_000, np.empty(4096, np.uint8))
+        assert calls == [0, 4096] and preads == [4096, 8192] and src.bytes_read == 10_000
+
+
+def test_reader_threads_starting_together_open_dev_null_once(tmp_path, monkeypatch):
+    import time
+
+    from foxhunt_stream import source
+    f = tmp_path / "blob"
+    f.write_bytes(b"z" * 1000)
+    monkeypatch.setattr(source, "_devnull", -2)
+    real_open, opened = os.open, []
+
+    def slow_open(path, *a, **k):
+        fd = real_open(path, *a, **k)
+        if path == os.devnull:
+            opened.append(fd)
+            time.sleep(0.05)
+        return fd
+    monkeypatch.setattr(os, "open", slow_open)
+    fd = real_open(f, os.O_RDONLY)
+    start = threading.Barrier(8)
+    threads = [threading.Thread(target=lambda: (start.wait(), source.sendfile_to_null(fd, 0, 1000))) for _ in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(opened) == 1   # before: one per thread, all but the last leaked
+    finally:
+        os.close(fd)
+        for d in opened:
+            os.close(d)

@@ -613,3 +613,23 @@ def test_reader_threads_starting_together_open_dev_null_once(tmp_path, monkeypat
         os.close(fd)
         for d in opened:
             os.close(d)
+
+
+def test_the_prefetch_own_reads_are_not_noted_as_the_process(tmp_path, fresh_open_log):
+    """The trace, the code files, the listings of the metadata thread and the checkpoint's
+    pieces are foxhunt's reads, not the start's: none may land in the next trace (before this
+    test, dropping ``_quiet.on`` from every prefetch thread failed nothing)."""
+    lib = tmp_path / "pkg" / "__pycache__" / "m.cpython-311.pyc"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"x" * 5000)
+    trace = tmp_path / "imports.txt"
+    trace.write_text(f"{itrace.TRACE_HEADER}\n{lib}\n{tmp_path / 'listed'}{os.sep}\n")
+    (tmp_path / "listed").mkdir()
+    path = _checkpoint(tmp_path)
+    h = fs.prefetch(path, skip_resident=False, imports=trace)
+    h.wait()
+    for t in threading.enumerate():
+        if t.name == "foxhunt-prefetch-metadata":
+            t.join(10)
+    ours = (str(lib), str(trace), str(tmp_path / "listed"), str(lib.parent.parent))
+    assert not [p for p in fresh_open_log if p.rstrip(os.sep) in ours]

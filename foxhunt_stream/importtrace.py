@@ -187,10 +187,23 @@ _opened: list[str] = []          # files opened for reading / directories listed
 _watching = False
 DATA_FILE_LIMIT = 64 << 20       # bigger files opened by Python code (checkpoints) are not traced
 _UNTRACED = ("/proc/", "/sys/", "/dev/")
+OPENED_LIMIT = 1 << 16           # notes kept at most: a start's imports read a few thousand files
 
 
 def _audit(event: str, args: tuple) -> None:
-    """The audit hook (PEP 578) of ``watch_opens``: cheap, and never raises."""
+    """The audit hook (PEP 578) of ``watch_opens``: cheap, and never raises (it runs in every
+    thread for every audited event, for the rest of the process: hooks cannot be removed)."""
+    if event != "open" and event != "os.listdir" and event != "os.scandir":
+        return
+    try:
+        _note(event, args)
+    except Exception:   # noqa: BLE001 - a hook must not break the open it watches
+        pass
+
+
+def _note(event: str, args: tuple) -> None:
+    if len(_opened) >= OPENED_LIMIT:   # a long-running server keeps opening files: bounded
+        return
     if event == "open":
         path, mode, flags = args
         if not isinstance(path, str):
@@ -200,19 +213,14 @@ def _audit(event: str, args: tuple) -> None:
                 return
         elif not isinstance(flags, int) or flags & 3:   # O_WRONLY / O_RDWR
             return
-    elif event == "os.listdir" or event == "os.scandir":
+    else:
         path = args[0] if args else None
         if not isinstance(path, str) or not path:
             return
         path = path.rstrip(os.sep) + os.sep
-    else:
-        return
     if getattr(_quiet, "on", False) or path.startswith(_UNTRACED):
         return
-    try:
-        _opened.append(os.path.abspath(path) + (os.sep if path.endswith(os.sep) else ""))
-    except Exception:   # noqa: BLE001 - a hook must not break the open it watches
-        pass
+    _opened.append(os.path.abspath(path) + (os.sep if path.endswith(os.sep) else ""))
 
 
 def _quietly(fn, *args) -> None:
@@ -303,7 +311,7 @@ def record_imports(path: str | os.PathLike) -> int:
     tmp = f"{path}.{os.getpid()}.tmp"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:   # any file name
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
@@ -342,21 +350,24 @@ CodeFile = tuple[str, list[tuple[int, int]]]   # a file and the (start, end) ran
 def read_trace(path: str | os.PathLike) -> tuple[list[CodeFile], list[str]]:
     """The files of a trace that still exist, with the ranges to read (clipped to the file's
     size now), and the directories it lists (lines ending in a separator: only listed, see
-    ``warm_metadata``). A missing trace (the first start) lists nothing."""
+    ``warm_metadata``). A missing trace (the first start) lists nothing, and so does one that
+    cannot be read; lines that name no file (garbage, an embedded NUL) are skipped."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:   # names as os gives them
             listed = parse_import_trace(f.read())
-    except FileNotFoundError:
+    except (OSError, ValueError):   # best effort: a trace never stops the prefetch
         return [], []
     out: list[CodeFile] = []
     dirs: list[str] = []
     for p, ranges in listed:
+        if "\0" in p:
+            continue
         if p.endswith(os.sep) and len(p) > 1:
-            dirs.append(p.rstrip(os.sep))
+            dirs.append(p.rstrip(os.sep) or os.sep)
             continue
         try:
             st = os.stat(p)
-        except OSError:   # uninstalled or upgraded since: the import will find its own files
+        except (OSError, ValueError):   # uninstalled or upgraded since (or not a path): skip it
             continue
         if not stat.S_ISREG(st.st_mode):
             continue
@@ -381,30 +392,34 @@ def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> tup
     return out, dirs
 
 
-def warm_metadata(files: Sequence[str], dirs: Sequence[str] = ()) -> None:
+def warm_metadata(files: Sequence[str], dirs: Sequence[str] = (), stop=None) -> None:
     """What an import touches besides the bytecode: the listing of each package directory (and
     of ``dirs``, those the traced start listed) and the source file's ``stat`` (the bytecode is
     checked against it). After ``drop_caches`` these are small random reads of directories and
-    inodes; done ahead, the import finds them cached."""
+    inodes; done ahead, the import finds them cached. ``stop()`` true: return at once (cancel)."""
     listed: set[str] = set()
     for d in dirs:
+        if stop is not None and stop():
+            return
         if d not in listed:
             listed.add(d)
             try:
                 os.listdir(d)
-            except OSError:
+            except (OSError, ValueError):
                 pass
     for p in files:
+        if stop is not None and stop():
+            return
         d = os.path.dirname(p)
         if os.path.basename(d) == "__pycache__":   # pkg/__pycache__/mod.cpython-312.pyc -> pkg, pkg/mod.py
             d = os.path.dirname(d)
             try:
                 os.stat(os.path.join(d, os.path.basename(p).split(".", 1)[0] + ".py"))
-            except OSError:
+            except (OSError, ValueError):
                 pass
         if d not in listed:
             listed.add(d)
             try:
                 os.listdir(d)
-            except OSError:
+            except (OSError, ValueError):
                 pass

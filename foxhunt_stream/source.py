@@ -47,6 +47,7 @@ def total_bytes_read() -> int:
 
 
 _devnull = -2   # not opened yet; -1: sendfile to /dev/null does not work here
+_devnull_lock = threading.Lock()
 
 
 def sendfile_to_null(fd: int, offset: int, length: int, step: int = 64 << 20) -> int | None:
@@ -55,14 +56,18 @@ def sendfile_to_null(fd: int, offset: int, length: int, step: int = 64 << 20) ->
     ``step`` bytes, each releasing the GIL for all of it: a reader thread that comes back for the
     GIL after every 1 MiB ``pread`` makes the main thread wait for it at each of its own system
     calls (a convoy: ``stat``-heavy imports ran several times slower beside two such readers).
-    Returns the bytes warmed (fewer at end of file), or None where ``sendfile`` cannot do this
-    (not Linux): read through a buffer instead."""
+    Returns the bytes warmed (fewer at end of file, or where ``sendfile`` stopped working part
+    way: the caller reads the rest, and a real read error shows there), or None where
+    ``sendfile`` cannot do this (not Linux, a filesystem without it): read through a buffer."""
     global _devnull
     if _devnull == -2:
-        try:
-            _devnull = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)) if hasattr(os, "sendfile") else -1
-        except OSError:
-            _devnull = -1
+        with _devnull_lock:   # reader threads arrive together: one descriptor, not one each
+            if _devnull == -2:
+                try:
+                    _devnull = (os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+                                if hasattr(os, "sendfile") else -1)
+                except OSError:
+                    _devnull = -1
     if _devnull < 0:
         return None
     done = 0
@@ -70,7 +75,9 @@ def sendfile_to_null(fd: int, offset: int, length: int, step: int = 64 << 20) ->
         try:
             n = os.sendfile(_devnull, fd, offset + done, min(step, length - done))
         except OSError as e:
-            if done == 0 and e.errno in (errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.EOPNOTSUPP):
+            if done:
+                return done
+            if e.errno in (errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.EOPNOTSUPP):
                 return None
             raise
         if n == 0:
@@ -165,9 +172,8 @@ class FileSource:
             if r is not None:
                 limit = r
         try:
-            got = sendfile_to_null(self.fd, offset, limit)
-            if got is None:
-                got = 0
+            got = sendfile_to_null(self.fd, offset, limit) or 0
+            if got < limit:   # no sendfile here, or it stopped part way: read the rest
                 while got < limit:
                     view = memoryview(scratch[:min(scratch.nbytes, limit - got)]).cast("B")
                     n = os.preadv(self.fd, [view], offset + got)

@@ -213,6 +213,7 @@ class PrefetchHandle:
         with _live_lock:
             _live.add(self)
         self._modules_thread: threading.Thread | None = None
+        self._metadata_thread: threading.Thread | None = None   # warm_metadata, beside the code reads
         if modules_first is None:
             self._job.start()
         else:   # discovery takes ~0.1-0.3 s: the caller's imports start meanwhile
@@ -227,9 +228,11 @@ class PrefetchHandle:
         try:
             try:
                 files, dirs = code_files(modules, imports)
-                if files or dirs:   # directories and inodes on their own thread, beside the reads
-                    threading.Thread(target=_quietly, args=(warm_metadata, [p for p, _ in files], dirs),
-                                     name="foxhunt-prefetch-metadata", daemon=True).start()
+                if (files or dirs) and not self._job.cancelled():   # directories and inodes on their own thread
+                    self._metadata_thread = threading.Thread(
+                        target=_quietly, args=(warm_metadata, [p for p, _ in files], dirs, self._job.cancelled),
+                        name="foxhunt-prefetch-metadata", daemon=True)
+                    self._metadata_thread.start()
                 if skip_resident:   # big libraries already in memory (a hot start): nothing to read
                     files = [(p, r) for p, r in files
                              if r[-1][1] < (16 << 20) or resident_fraction(p, samples=64) < 1.0]
@@ -296,6 +299,8 @@ class PrefetchHandle:
             pass
 
     def _read_module_file(self, worker: int, piece: Piece) -> None:
+        if self._job.cancelled():   # not even opened and hinted: a hint queues the whole piece
+            raise Cancelled("cancelled")
         path = self.module_paths[piece.file - len(self.paths)]
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -305,9 +310,10 @@ class PrefetchHandle:
             self._advise(fd, piece)
             if self._method == "advise" or self._job.cancelled():
                 return
-            if sendfile_to_null(fd, piece.offset, piece.length) is None:
+            got = sendfile_to_null(fd, piece.offset, piece.length) or 0
+            if got < piece.length:   # no sendfile, or it stopped part way (or end of file)
                 buf = self._code_buffers[worker]
-                for off in range(piece.offset, piece.end, READ_BYTES):
+                for off in range(piece.offset + got, piece.end, READ_BYTES):
                     if os.preadv(fd, [buf[:min(READ_BYTES, piece.end - off)]], off) <= 0:
                         return   # shorter than listed (rewritten): nothing more to warm
         except OSError:
@@ -392,8 +398,10 @@ class PrefetchHandle:
             self._job.wait()
         except BaseException:
             pass
-        if self._modules_thread is not None:   # its readers stop at their next 1 MiB read
+        if self._modules_thread is not None:   # its readers stop after their current piece
             self._modules_thread.join()
+        if self._metadata_thread is not None:   # started by the modules thread: joined after it
+            self._metadata_thread.join()
         self._closer()
 
     def __repr__(self) -> str:

@@ -476,3 +476,160 @@ def test_bad_max_rate_is_refused_before_anything_opens(tmp_path):
     with pytest.raises(ValueError, match="max_rate"):
         fs.prefetch(path, max_rate=0)
     assert not {t for t in threading.enumerate() if t.name.startswith("foxhunt-prefetch")}
+
+
+# ---------------------------------------------------------------- traces that are not what format_trace wrote
+
+def test_a_garbage_trace_is_read_line_by_line_and_never_raises(tmp_path):
+    """A trace is a hint: binary garbage, a NUL in a line, an unreadable trace must cost only their
+    own lines (before: UnicodeDecodeError / ValueError, and the prefetch dropped every code file,
+    the ``modules=`` packages' too)."""
+    a, b = tmp_path / "a.pyc", tmp_path / "b.pyc"
+    a.write_bytes(b"x" * 10)
+    b.write_bytes(b"y" * 20)
+    trace = tmp_path / "t.txt"
+    trace.write_bytes(itrace.TRACE_HEADER.encode() + b"\n" + os.fsencode(a) + b"\n\xff\xfe\x80garbage\n"
+                      + os.fsencode(tmp_path) + b"/x\x00y\n" + os.fsencode(tmp_path) + b"/d\x00/\n"
+                      + os.fsencode(b) + b"\t0+5\n")
+    assert itrace.read_trace(trace) == ([(str(a), [(0, 10)]), (str(b), [(0, 5)])], [])
+    assert itrace.read_trace(tmp_path) == ([], [])   # a directory, not a trace
+    itrace.warm_metadata([str(tmp_path / "x\x00y.pyc")], [str(tmp_path / "d\x00")])   # no raise
+
+
+def test_a_file_name_that_is_not_utf8_round_trips_through_a_trace(tmp_path, fresh_open_log):
+    odd = tmp_path / os.fsdecode(b"caf\xe9.json")   # Latin-1 bytes: surrogate-escaped in Python
+    odd.write_bytes(b"{}")
+    fresh_open_log.append(str(odd))
+    trace = tmp_path / "imports.txt"
+    itrace.record_imports(trace)   # before: UnicodeEncodeError, and no trace at all
+    assert str(odd) in [p for p, _ in itrace.read_trace(trace)[0]]
+
+
+def test_the_audit_hook_never_raises_and_its_log_is_bounded(tmp_path, fresh_open_log, monkeypatch):
+    """The hook stays installed for the life of the process and sees every thread's opens: an
+    "open" event raised with other arguments (``sys.audit`` is public) must not make the audited
+    call fail, and a server that keeps opening files must not grow the log without end."""
+    itrace._audit("open", ("only-a-path",))   # before: ValueError out of the caller's open
+    itrace._audit("os.listdir", 42)
+    monkeypatch.setattr(itrace, "OPENED_LIMIT", 100)
+    for i in range(1000):
+        itrace._audit("open", (str(tmp_path / f"request-{i}.json"), "r", 0))
+    assert len(fresh_open_log) == 100 and fresh_open_log[0] == str(tmp_path / "request-0.json")
+
+
+def test_cancel_stops_the_code_readers_and_the_metadata_thread(tmp_path, monkeypatch):
+    """cancel() while the trace's files are read: the remaining code files are neither opened nor
+    hinted (before: each got a WILLNEED hint after cancel, queueing the rest of the trace on the
+    disk), and the metadata thread stops and is joined (before: it went on listing)."""
+    libs = []
+    for i in range(50):
+        f = tmp_path / f"lib{i}.so"
+        f.write_bytes(b"x" * 10_000)
+        libs.append(str(f))
+    trace = tmp_path / "imports.txt"
+    trace.write_text(itrace.TRACE_HEADER + "\n" + "\n".join(libs) + "\n"
+                     + "".join(f"{tmp_path / f'd{i}'}{os.sep}\n" for i in range(50)))
+    path = _checkpoint(tmp_path)
+    both_in, gate, cancelling, after_cancel = threading.Barrier(3), threading.Event(), threading.Event(), []
+    real_sendfile, real_advise, real_listdir = warm.sendfile_to_null, os.posix_fadvise, os.listdir
+
+    def sendfile(*a):
+        if not gate.is_set():
+            both_in.wait(10)   # both code readers are here, each with one piece hinted
+            gate.wait(10)
+        return real_sendfile(*a)
+
+    def advise(fd, off, n, how):
+        if cancelling.is_set():
+            after_cancel.append(off)
+        return real_advise(fd, off, n, how)
+
+    def listdir(d):
+        gate.wait(10)
+        return real_listdir(d)
+    monkeypatch.setattr(warm, "CODE_THREADS", 2)
+    monkeypatch.setattr(warm, "sendfile_to_null", sendfile)
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    monkeypatch.setattr(os, "listdir", listdir)
+    h = fs.prefetch(path, skip_resident=False, imports=trace)
+    both_in.wait(10)
+    cancelling.set()
+    threading.Timer(0.2, gate.set).start()   # the two reads in flight finish their piece
+    h.cancel()
+    assert h.done() and after_cancel == []
+    assert not [t for t in threading.enumerate() if t.name == "foxhunt-prefetch-metadata"]
+
+
+def test_sendfile_that_stops_part_way_is_finished_with_reads(tmp_path, monkeypatch):
+    """A filesystem where sendfile fails after some bytes (EINVAL part way): the rest is read
+    with pread, not reported as a failed prefetch (before: the OSError ended the whole prefetch)."""
+    import errno as _errno
+
+    from foxhunt_stream import source
+    f = tmp_path / "blob"
+    f.write_bytes(b"z" * 10_000)
+    real_sendfile, calls = os.sendfile, []
+
+    def flaky(out, fd, off, n):
+        calls.append(off)
+        if len(calls) == 1:
+            return real_sendfile(out, fd, off, 4096)
+        raise OSError(_errno.EINVAL, "not any more")
+    monkeypatch.setattr(os, "sendfile", flaky)
+    preads = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: (preads.append(off), real_preadv(fd, bufs, off))[1])
+    with source.FileSource(f) as src:
+        src.warm(0, 10_000, np.empty(4096, np.uint8))
+        assert calls == [0, 4096] and preads == [4096, 8192] and src.bytes_read == 10_000
+
+
+def test_reader_threads_starting_together_open_dev_null_once(tmp_path, monkeypatch):
+    import time
+
+    from foxhunt_stream import source
+    f = tmp_path / "blob"
+    f.write_bytes(b"z" * 1000)
+    monkeypatch.setattr(source, "_devnull", -2)
+    real_open, opened = os.open, []
+
+    def slow_open(path, *a, **k):
+        fd = real_open(path, *a, **k)
+        if path == os.devnull:
+            opened.append(fd)
+            time.sleep(0.05)
+        return fd
+    monkeypatch.setattr(os, "open", slow_open)
+    fd = real_open(f, os.O_RDONLY)
+    start = threading.Barrier(8)
+    threads = [threading.Thread(target=lambda: (start.wait(), source.sendfile_to_null(fd, 0, 1000))) for _ in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(opened) == 1   # before: one per thread, all but the last leaked
+    finally:
+        os.close(fd)
+        for d in opened:
+            os.close(d)
+
+
+def test_the_prefetch_own_reads_are_not_noted_as_the_process(tmp_path, fresh_open_log):
+    """The trace, the code files, the listings of the metadata thread and the checkpoint's
+    pieces are foxhunt's reads, not the start's: none may land in the next trace (before this
+    test, dropping ``_quiet.on`` from every prefetch thread failed nothing)."""
+    lib = tmp_path / "pkg" / "__pycache__" / "m.cpython-311.pyc"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"x" * 5000)
+    trace = tmp_path / "imports.txt"
+    trace.write_text(f"{itrace.TRACE_HEADER}\n{lib}\n{tmp_path / 'listed'}{os.sep}\n")
+    (tmp_path / "listed").mkdir()
+    path = _checkpoint(tmp_path)
+    h = fs.prefetch(path, skip_resident=False, imports=trace)
+    h.wait()
+    for t in threading.enumerate():
+        if t.name == "foxhunt-prefetch-metadata":
+            t.join(10)
+    ours = (str(lib), str(trace), str(tmp_path / "listed"), str(lib.parent.parent))
+    assert not [p for p in fresh_open_log if p.rstrip(os.sep) in ours]

@@ -149,6 +149,7 @@ def mapped_libraries() -> dict[str, list[tuple[int, int]]]:
     A library whose pages cannot be inspected gets ``[]`` (read it whole); {} off Linux."""
     page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
     out: dict[str, list[tuple[int, int]]] = {}
+    whole: set[str] = set()   # pages not inspectable: read the whole file
     try:
         maps = open("/proc/self/maps")
     except OSError:
@@ -174,12 +175,12 @@ def mapped_libraries() -> dict[str, list[tuple[int, int]]]:
                 pagemap.seek(lo // page * 8)
                 entries = np.frombuffer(pagemap.read((hi - lo) // page * 8), dtype="<u8")
             except (OSError, ValueError):
-                out[path] = []
+                whole.add(path)
                 continue
             ranges += [(offset + i * page, offset + j * page) for i, j in present_runs(entries)]
     if pagemap is not None:
         pagemap.close()
-    return {p: merge_ranges(r) for p, r in out.items()}
+    return {p: [] if p in whole else merge_ranges(r) for p, r in out.items()}
 
 
 _quiet = threading.local()       # .on in foxhunt's own reader threads: their opens are not noted
@@ -265,7 +266,8 @@ def opened_files() -> tuple[list[str], list[str]]:
     return files, dirs
 
 
-def loaded_files() -> list[str]:
+def loaded_files(libraries: dict[str, list[tuple[int, int]]] | None = None,
+                 opened: list[str] | None = None) -> list[str]:
     """The code files this process has loaded so far (bytecode, extension modules, shared
     libraries) and, after ``watch_opens``, the other files its Python code read, in the order a
     restart needs them (``order_loaded_files``). Record it once the server answers
@@ -279,10 +281,11 @@ def loaded_files() -> list[str]:
             return os.path.realpath(f) if os.path.isfile(f) else None
         except (OSError, ValueError):
             return None
-    opened, _ = opened_files()   # in the order they were opened (bytecode included)
+    if opened is None:
+        opened = opened_files()[0]   # in the order they were opened (bytecode included)
     mods = [(f, None) for f in opened] + [(real(getattr(m, "__file__", None)), real(getattr(m, "__cached__", None)))
                                           for m in list(sys.modules.values())]
-    mapped = list(mapped_libraries())   # not Linux: the modules' own files only
+    mapped = list(mapped_libraries() if libraries is None else libraries)   # not Linux: modules only
     roots = [os.path.realpath(p) for p in sys.path if isinstance(p, str) and p and os.path.isdir(p)]
     return order_loaded_files(mods, mapped, roots)
 
@@ -305,8 +308,10 @@ def record_imports(path: str | os.PathLike) -> int:
     libraries are listed with the byte ranges this process touched (``mapped_libraries``).
 
     Call it once the model has answered (the first forward loads cuBLAS and friends too)."""
-    files = loaded_files()
-    text = format_trace(files + [d + os.sep for d in opened_files()[1]], mapped_libraries())
+    libraries = mapped_libraries()
+    opened, dirs = opened_files()
+    files = loaded_files(libraries, opened)   # one look at the process: the two cannot disagree
+    text = format_trace(files + [d + os.sep for d in dirs], libraries)
     path = os.fspath(path)
     tmp = f"{path}.{os.getpid()}.tmp"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -327,9 +332,8 @@ def parse_import_trace(text: str) -> list[tuple[str, list[tuple[int, int]] | Non
     """Pure: ``(path, ranges)`` per line of a trace (``format_trace``); ranges ``None`` means the
     whole file. Blank and ``#`` lines are skipped, as are ranges that do not parse."""
     out: list[tuple[str, list[tuple[int, int]] | None]] = []
-    for raw in text.splitlines():
-        line = raw.strip("\r\n")
-        if not line.strip() or line.lstrip().startswith("#"):
+    for line in text.split("\n"):   # only "\n" ends a line: "\r", "\x85"... are legal in names
+        if not line.strip() or line.startswith("#"):
             continue
         path, _, spec = line.partition("\t")
         ranges: list[tuple[int, int]] | None = None
@@ -340,7 +344,7 @@ def parse_import_trace(text: str) -> list[tuple[str, list[tuple[int, int]] | Non
                 ranges = None
             if ranges is not None and any(a < 0 or b <= a for a, b in ranges):
                 ranges = None
-        out.append((path.strip(), ranges))
+        out.append((path, ranges))
     return out
 
 

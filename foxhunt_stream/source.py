@@ -18,6 +18,7 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 import threading
 from typing import TYPE_CHECKING, Callable
 
@@ -47,7 +48,36 @@ def total_bytes_read() -> int:
 
 
 _devnull = -2   # not opened yet; -1: sendfile to /dev/null does not work here
+_devnull_rdev = -1
 _devnull_lock = threading.Lock()
+
+
+def _null_fd() -> int:
+    """Our descriptor of /dev/null, opened once; checked on each use (a daemonising caller may
+    have closed it and the number may name another file now: bytes must never go there)."""
+    global _devnull, _devnull_rdev
+    fd = _devnull
+    if fd >= 0:
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == _devnull_rdev:
+                return fd
+        except OSError:
+            pass
+    with _devnull_lock:   # reader threads arrive together: one descriptor, not one each
+        if _devnull == fd:
+            if not hasattr(os, "sendfile"):
+                _devnull = -1
+            else:
+                try:
+                    new = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+                    st = os.fstat(new)
+                    _devnull, _devnull_rdev = (new, st.st_rdev) if stat.S_ISCHR(st.st_mode) else (-1, -1)
+                    if _devnull < 0:
+                        os.close(new)
+                except OSError:
+                    _devnull = -1
+        return _devnull
 
 
 def sendfile_to_null(fd: int, offset: int, length: int, step: int = 64 << 20) -> int | None:
@@ -59,21 +89,13 @@ def sendfile_to_null(fd: int, offset: int, length: int, step: int = 64 << 20) ->
     Returns the bytes warmed (fewer at end of file, or where ``sendfile`` stopped working part
     way: the caller reads the rest, and a real read error shows there), or None where
     ``sendfile`` cannot do this (not Linux, a filesystem without it): read through a buffer."""
-    global _devnull
-    if _devnull == -2:
-        with _devnull_lock:   # reader threads arrive together: one descriptor, not one each
-            if _devnull == -2:
-                try:
-                    _devnull = (os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-                                if hasattr(os, "sendfile") else -1)
-                except OSError:
-                    _devnull = -1
-    if _devnull < 0:
+    null = _null_fd() if _devnull != -1 else -1
+    if null < 0:
         return None
     done = 0
     while done < length:
         try:
-            n = os.sendfile(_devnull, fd, offset + done, min(step, length - done))
+            n = os.sendfile(null, fd, offset + done, min(step, length - done))
         except OSError as e:
             if done:
                 return done

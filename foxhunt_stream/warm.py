@@ -37,7 +37,7 @@ from . import settings as _settings
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
 from .pipeline import Cancelled, Job
 from .source import FileSource, open_source, resident_fraction, sendfile_to_null
-from .importtrace import _quiet, _quietly, code_files, warm_metadata, watch_opens
+from .importtrace import _quiet, _quietly, code_files, module_files, warm_metadata, watch_opens  # noqa: F401
 
 log = logging.getLogger("foxhunt_stream")
 
@@ -143,7 +143,7 @@ class Pacer:
     ``release()``; ``take(n)`` blocks the calling reader until its ``n`` bytes are due."""
 
     def __init__(self, rate: float | None, clock=time.monotonic) -> None:
-        if rate is not None and not rate > 0:
+        if rate is not None and (isinstance(rate, bool) or not rate > 0):
             raise ValueError(f"max_rate must be a positive number of bytes per second, got {rate!r}")
         self.rate = rate
         self._clock = clock
@@ -391,7 +391,8 @@ class PrefetchHandle:
         self._pacer.release()
 
     def cancel(self) -> None:
-        """Stop the readers (each finishes at most its current read) and close the files."""
+        """Stop the readers and close the files: each reader finishes at most its current call
+        (a 4-64 MiB step of the checkpoint, or one piece of a code file)."""
         self._pacer.release()
         self._job.cancel()
         try:

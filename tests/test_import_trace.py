@@ -67,8 +67,16 @@ def test_the_longest_import_root_names_the_package():
 
 
 def test_parse_skips_comments_and_blank_lines():
-    assert parse_import_trace("# foxhunt-stream import trace v1\n/a.pyc\n\n  /b.so  \n# note\n") == [
+    assert parse_import_trace("# foxhunt-stream import trace v1\n/a.pyc\n\n/b.so\n# note\n") == [
         ("/a.pyc", None), ("/b.so", None)]
+
+
+def test_file_names_with_odd_characters_survive_the_trace():
+    """Only "\n" ends a line: carriage returns, form feeds, NEL and spaces at either end are legal
+    in Linux file names and must come back as written."""
+    odd = ["/a\rb.so", "/c\x0cd.pyc", "/e\x85f.py", "/ lead.pyc", "/trail.pyc ", "/g\u2028h.py"]
+    assert parse_import_trace(format_trace(odd, {"/a\rb.so": [(0, 4096)]})) == [
+        ("/a\rb.so", [(0, 4096)])] + [(p, None) for p in odd[1:]]
 
 
 def test_a_trace_round_trips_with_the_ranges_of_each_library():
@@ -633,3 +641,31 @@ def test_the_prefetch_own_reads_are_not_noted_as_the_process(tmp_path, fresh_ope
             t.join(10)
     ours = (str(lib), str(trace), str(tmp_path / "listed"), str(lib.parent.parent))
     assert not [p for p in fresh_open_log if p.rstrip(os.sep) in ours]
+
+
+def test_a_pacer_rate_must_be_a_number_not_a_flag():
+    with pytest.raises(ValueError, match="max_rate"):
+        warm.Pacer(True)
+
+
+def test_sendfile_never_writes_into_a_descriptor_that_is_no_longer_dev_null(tmp_path, monkeypatch):
+    """Something closed our /dev/null descriptor and the number now names a file: the next warm
+    must notice (fstat) and open /dev/null again instead of sending checkpoint bytes there."""
+    from foxhunt_stream import source
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"s" * 100_000)
+    victim = tmp_path / "victim.txt"
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        assert source.sendfile_to_null(fd, 0, 100_000) == 100_000
+        null = source._devnull
+        other = os.open(victim, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.dup2(other, null)   # the number now names victim.txt, as after a close and a reuse
+        os.close(other)
+        try:
+            assert source.sendfile_to_null(fd, 0, 100_000) == 100_000
+            assert victim.stat().st_size == 0 and source._devnull != null
+        finally:
+            os.close(null)
+    finally:
+        os.close(fd)

@@ -49,6 +49,8 @@ PRIORITIES = ("idle", "normal")
 DEFAULT_THREADS = 8    # readers when the caller names none (at most the loader's thread count)
 IDLE_THREADS = 2       # ... with priority="idle": a shallow queue in front of the imports' reads
 CODE_THREADS = 8       # readers of the code files (modules=, imports=): what the imports wait for
+SMALL_FILE = 16 << 20  # code files below this are judged by a sample (sample_resident), not one by one
+RESIDENT_SAMPLE = 32
 
 _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 _IOPRIO_WHO_PROCESS, _IOPRIO_CLASS_IDLE, _IOPRIO_CLASS_SHIFT = 1, 3, 13
@@ -117,6 +119,18 @@ def _spans(ck: Checkpoint, chosen: list[str], whole_files: bool) -> list[list[tu
 
 _live: "weakref.WeakSet[PrefetchHandle]" = weakref.WeakSet()
 _live_lock = threading.Lock()
+
+
+def sample_resident(paths: Sequence[str], k: int = RESIDENT_SAMPLE) -> bool:
+    """Whether ``k`` of ``paths``, spread evenly over the list, are all wholly in the page cache:
+    then the start is hot and the small code files need not be read again."""
+    if not paths:
+        return False
+    step = max(1, len(paths) // k)
+    try:
+        return all(resident_fraction(p, samples=16) >= 1.0 for p in list(paths)[::step][:k])
+    except (OSError, ValueError):
+        return False
 
 
 def warming(path: str | os.PathLike) -> bool:
@@ -228,6 +242,10 @@ class PrefetchHandle:
         try:
             try:
                 files, dirs = code_files(modules, imports)
+                if skip_resident and files and sample_resident([p for p, _ in files]):
+                    # a hot start: thousands of small opens and stats would only cost the
+                    # importing thread GIL hand-offs; big files are still checked one by one
+                    files, dirs = [(p, r) for p, r in files if r[-1][1] >= SMALL_FILE], []
                 if (files or dirs) and not self._job.cancelled():   # directories and inodes on their own thread
                     self._metadata_thread = threading.Thread(
                         target=_quietly, args=(warm_metadata, [p for p, _ in files], dirs, self._job.cancelled),
@@ -235,7 +253,7 @@ class PrefetchHandle:
                     self._metadata_thread.start()
                 if skip_resident:   # big libraries already in memory (a hot start): nothing to read
                     files = [(p, r) for p, r in files
-                             if r[-1][1] < (16 << 20) or resident_fraction(p, samples=64) < 1.0]
+                             if r[-1][1] < SMALL_FILE or resident_fraction(p, samples=64) < 1.0]
             except Exception:   # noqa: BLE001 - best effort like the reads: the checkpoint still warms
                 log.debug("prefetch: finding the modules' files failed", exc_info=True)
                 files = []
@@ -436,7 +454,8 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     ``imports``: a trace written by ``fs.record_imports`` at an earlier start: exactly the files
     that start loaded (the packages' dependencies and the standard library too, and the touched
     parts of each shared library), read first in the order they were needed, by 8 hinted readers
-    at normal priority; a missing trace (the first start) reads nothing extra. Passing it also
+    at normal priority (on a hot start - a sample of them resident - only the big ones still
+    missing); a missing trace (the first start) reads nothing extra. Passing it also
     starts noting what this start opens (``importtrace.watch_opens``) for the next trace.
     ``max_rate``: at most this many bytes per second of the checkpoint (not of the code files),
     until a load of its files starts (``loading``) or ``unthrottle()``: a disk kept busy makes

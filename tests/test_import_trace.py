@@ -669,3 +669,26 @@ def test_sendfile_never_writes_into_a_descriptor_that_is_no_longer_dev_null(tmp_
             os.close(null)
     finally:
         os.close(fd)
+
+
+def test_a_hot_start_skips_the_small_code_files_and_their_metadata(tmp_path, monkeypatch):
+    """When a sample of the trace's files is all in the page cache the start is hot: the small
+    files are not opened again (thousands of opens would only cost the importing thread GIL
+    hand-offs) and no metadata thread starts; one cold file in the sample and all are read."""
+    files = []
+    for i in range(40):
+        f = tmp_path / f"m{i}.pyc"
+        f.write_bytes(b"c" * 1000)
+        files.append(str(f))
+    trace = tmp_path / "imports.txt"
+    trace.write_text(itrace.TRACE_HEADER + "\n" + "\n".join(files) + "\n" + f"{tmp_path}{os.sep}\n")
+    path = _checkpoint(tmp_path)
+    cold: set[str] = set()
+    monkeypatch.setattr(warm, "resident_fraction", lambda p, samples=64: 0.0 if str(p) in cold else 1.0)
+    h = fs.prefetch(path, imports=trace)
+    h.wait()
+    assert h.module_paths == [] and h.module_bytes == 0 and h._metadata_thread is None
+    cold.add(files[0])   # the first file is always in the sample
+    h = fs.prefetch(path, imports=trace)
+    h.wait()
+    assert h.module_paths == files and h.module_bytes == 40_000

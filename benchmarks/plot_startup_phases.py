@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     for path in args.json:
         with open(path) as f:
             runs = [r for r in json.load(f)["runs"] if r.get("variant") in keep and "phases_s" in r]
-        tag = os.path.splitext(os.path.basename(path))[0].rsplit("_", 1)[-1]
+        tag = os.path.splitext(os.path.basename(path))[0].rsplit("_", 1)[-1]   # "call5", "2t-16M-2r"
         bars += [(f"{r['variant']}\n{tag}", r) for r in sorted(runs, key=lambda r: keep.index(r["variant"]))]
     fig, ax = plt.subplots(figsize=(0.55 * len(bars) + 2.5, 4.8))
     for i, (_, r) in enumerate(bars):

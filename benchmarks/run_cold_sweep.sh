@@ -3,12 +3,12 @@
 # transformers' from_pretrained once, then variant 2t (import trace + weights) once per SWEEP point
 # "STEP:THREADS" - bytes per call of the idle readers (warm.PACED_BYTES) and their count. Each point
 # writes its own JSON (the file name is its label in the plot); the plot shows every run's phases.
-#   SWEEP (default "4:2 8:2 16:2 4:4"), REPEAT (default 1), CKPT (default /root/startup_ckpt)
+#   SWEEP (default "4:2 8:2 16:2 4:4"), REPEAT (default 1), CKPT (default /root/startup_ckpt), DEVICE (cuda:0)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 CKPT=${CKPT:-/root/startup_ckpt}
-common=(--no-hot --cold --repeat "${REPEAT:-1}" --timeout 80)
+common=(--no-hot --cold --repeat "${REPEAT:-1}" --timeout 80 --device "${DEVICE:-cuda:0}")
 python3 benchmarks/startup_bench.py "$CKPT" --variants 1 "${common[@]}" --json "$OUT/cold_1.json" 2>&1 | grep -E "^\[|built|wrote"
 for point in ${SWEEP:-4:2 8:2 16:2 4:4}; do
   step=${point%%:*}; threads=${point##*:}

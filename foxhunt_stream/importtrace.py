@@ -402,15 +402,18 @@ def warm_metadata(files: Sequence[str], dirs: Sequence[str] = (), stop=None) -> 
     checked against it). After ``drop_caches`` these are small random reads of directories and
     inodes; done ahead, the import finds them cached. ``stop()`` true: return at once (cancel)."""
     listed: set[str] = set()
-    for d in dirs:
-        if stop is not None and stop():
-            return
+
+    def list_once(d: str) -> None:
         if d not in listed:
             listed.add(d)
             try:
                 os.listdir(d)
-            except (OSError, ValueError):
+            except (OSError, ValueError):   # gone, or a name with a NUL: best effort
                 pass
+    for d in dirs:
+        if stop is not None and stop():
+            return
+        list_once(d)
     for p in files:
         if stop is not None and stop():
             return
@@ -421,9 +424,4 @@ def warm_metadata(files: Sequence[str], dirs: Sequence[str] = (), stop=None) -> 
                 os.stat(os.path.join(d, os.path.basename(p).split(".", 1)[0] + ".py"))
             except (OSError, ValueError):
                 pass
-        if d not in listed:
-            listed.add(d)
-            try:
-                os.listdir(d)
-            except (OSError, ValueError):
-                pass
+        list_once(d)

@@ -525,18 +525,24 @@ def test_the_audit_hook_never_raises_and_its_log_is_bounded(tmp_path, fresh_open
     assert len(fresh_open_log) == 100 and fresh_open_log[0] == str(tmp_path / "request-0.json")
 
 
+def _small_files_traced(tmp_path, pattern: str, n: int, size: int, dirs=()):
+    """``n`` files of ``size`` bytes and a trace listing them, then ``dirs`` (to be listed)."""
+    files = []
+    for i in range(n):
+        f = tmp_path / pattern.format(i)
+        f.write_bytes(b"c" * size)
+        files.append(str(f))
+    trace = tmp_path / "imports.txt"
+    trace.write_text(itrace.TRACE_HEADER + "\n" + "".join(f + "\n" for f in files)
+                     + "".join(f"{d}{os.sep}\n" for d in dirs))
+    return files, trace
+
+
 def test_cancel_stops_the_code_readers_and_the_metadata_thread(tmp_path, monkeypatch):
     """cancel() while the trace's files are read: the remaining code files are neither opened nor
     hinted (before: each got a WILLNEED hint after cancel, queueing the rest of the trace on the
     disk), and the metadata thread stops and is joined (before: it went on listing)."""
-    libs = []
-    for i in range(50):
-        f = tmp_path / f"lib{i}.so"
-        f.write_bytes(b"x" * 10_000)
-        libs.append(str(f))
-    trace = tmp_path / "imports.txt"
-    trace.write_text(itrace.TRACE_HEADER + "\n" + "\n".join(libs) + "\n"
-                     + "".join(f"{tmp_path / f'd{i}'}{os.sep}\n" for i in range(50)))
+    libs, trace = _small_files_traced(tmp_path, "lib{}.so", 50, 10_000, [tmp_path / f"d{i}" for i in range(50)])
     path = _checkpoint(tmp_path)
     both_in, gate, cancelling, after_cancel = threading.Barrier(3), threading.Event(), threading.Event(), []
     real_sendfile, real_advise, real_listdir = warm.sendfile_to_null, os.posix_fadvise, os.listdir
@@ -675,13 +681,7 @@ def test_a_hot_start_skips_the_small_code_files_and_their_metadata(tmp_path, mon
     """When a sample of the trace's files is all in the page cache the start is hot: the small
     files are not opened again (thousands of opens would only cost the importing thread GIL
     hand-offs) and no metadata thread starts; one cold file in the sample and all are read."""
-    files = []
-    for i in range(40):
-        f = tmp_path / f"m{i}.pyc"
-        f.write_bytes(b"c" * 1000)
-        files.append(str(f))
-    trace = tmp_path / "imports.txt"
-    trace.write_text(itrace.TRACE_HEADER + "\n" + "\n".join(files) + "\n" + f"{tmp_path}{os.sep}\n")
+    files, trace = _small_files_traced(tmp_path, "m{}.pyc", 40, 1000, [tmp_path])
     path = _checkpoint(tmp_path)
     cold: set[str] = set()
     monkeypatch.setattr(warm, "resident_fraction", lambda p, samples=64: 0.0 if str(p) in cold else 1.0)

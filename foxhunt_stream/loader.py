@@ -77,9 +77,10 @@ class Destinations:
     allocation. ``Destinations.fixed`` wraps existing buffers (load_into).
     """
 
-    def __init__(self, n: int, devices: set[Device], make=None, buffers: list[Buffer] | None = None,
+    def __init__(self, n: int, devices_of: list[Device], make=None, buffers: list[Buffer] | None = None,
                  arrays: list | None = None) -> None:
-        self.devices = devices
+        self.devices_of = devices_of   # per destination, known before anything is allocated
+        self.devices = set(devices_of)
         self._make = make
         self.buffers: list[Buffer | None] = buffers if buffers is not None else [None] * n
         self.arrays: list = arrays if arrays is not None else [None] * n
@@ -89,8 +90,7 @@ class Destinations:
     def allocate(cls, framework, plan: LoadPlan, device: Device | Sequence[Device]) -> "Destinations":
         """``device``: one for all destinations, or one per destination (``device_map``)."""
         per_dest = [device] * len(plan.destinations) if isinstance(device, Device) else list(device)
-        devices = {device} if isinstance(device, Device) else set(per_dest)
-        for dev in sorted(devices, key=str):
+        for dev in sorted(set(per_dest), key=str):
             if dev.is_cuda:
                 # the framework's allocator may hand back blocks that work already queued on its
                 # stream still reads; our copies run on other streams, so let that work finish first
@@ -100,11 +100,11 @@ class Destinations:
             dest = plan.destinations[d]
             arr = framework.empty(dest.dtype, dest.shape, per_dest[d], dest.name)
             return arr, framework.buffer(arr)
-        return cls(len(plan.destinations), devices, make)
+        return cls(len(plan.destinations), per_dest, make)
 
     @classmethod
     def fixed(cls, buffers: list[Buffer], arrays: list) -> "Destinations":
-        return cls(len(buffers), {b.device for b in buffers}, buffers=buffers, arrays=arrays)
+        return cls(len(buffers), [b.device for b in buffers], buffers=buffers, arrays=arrays)
 
     def buffer(self, d: int) -> Buffer:
         b = self.buffers[d]
@@ -221,10 +221,14 @@ class Landing:
         self.job.start()
 
     def _work(self, worker: int, chunk):
-        buf = self.dests.buffer(chunk.dest)
-        inspect = self.verifier.inspector(chunk.dest, chunk.run) if self.verifier is not None else None
-        return self._targets[buf.device].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect,
-                                              track=self.per_dest)
+        d = chunk.dest
+        dev = self.dests.devices_of[d]
+        inspect = self.verifier.inspector(d, chunk.run) if self.verifier is not None else None
+        # a GPU chunk is read into pinned staging before its destination is needed: the
+        # allocation (if this worker overtook the allocating thread) overlaps the read
+        buf = functools.partial(self.dests.buffer, d) if dev.is_cuda else self.dests.buffer(d)
+        return self._targets[dev].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect,
+                                       track=self.per_dest)
 
     def _worker_done(self, worker: int) -> None:
         for t in self._targets.values():

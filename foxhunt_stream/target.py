@@ -12,6 +12,8 @@ the saver's direction (device bytes -> pinned memory, for writing).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .device import context, cupy, use_device
@@ -160,10 +162,15 @@ class CudaTarget:
         for slot, ev, pending in zip(ring.slots, ring.events, ring.pending):
             ring.pool.release(slot, ev if pending else None)
 
-    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None, track: bool = False):
+    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer | Callable[[], Buffer], inspect=None,
+             track: bool = False):
         """Queue the chunk's copy and return an event that completes after it: with ``track`` (a
         caller waits for single destinations) a fresh event for this chunk alone, else the slot's
-        reused event, which later chunks of this worker re-record (a wait on it may over-wait)."""
+        reused event, which later chunks of this worker re-record (a wait on it may over-wait).
+
+        ``buf`` may be a function giving the destination: it is called after the read, so the
+        destination's allocation (on a GPU: the framework allocator, under the GIL) overlaps the
+        read instead of preceding it."""
         rt = self._rt
         ring = self._rings.get(worker)
         if ring is None:
@@ -178,6 +185,8 @@ class CudaTarget:
         src = ring.ptrs[k]
         ring.pending[k] = True   # from here on a copy may be in flight: the slot goes back with its event
         if run.height > 1 and source.gather(run, slot.array):    # mapped source: rows packed
+            if callable(buf):
+                buf = buf()
             rt.memcpyAsync(buf.ptr + run.dst, src, run.nbytes, H2D, ring.stream_ptr)
         else:
             if inspect is not None:
@@ -186,6 +195,8 @@ class CudaTarget:
                 view = source.read_span(run.src, run.span, slot.array)
             if not source.direct_reads:   # O_DIRECT: the bytes start inside the aligned span
                 src = view.ctypes.data
+            if callable(buf):
+                buf = buf()
             if run.height == 1:
                 rt.memcpyAsync(buf.ptr + run.dst, src, run.nbytes, H2D, ring.stream_ptr)
             else:

@@ -83,6 +83,17 @@ def normalize_index(index, shape: Sequence[int]) -> list[int | tuple[int, int, i
     """
     if not isinstance(index, tuple):
         index = (index,)
+    elif len(index) <= len(shape):
+        # the common case, fast (a tensor-parallel shard plans hundreds of these): unit-step slices
+        out_fast: list[int | tuple[int, int, int]] = []
+        for i, n in zip(index, shape):
+            if type(i) is not slice or i.step not in (None, 1):
+                break
+            start, stop, _ = i.indices(n)
+            out_fast.append((start, stop - start, 1) if stop > start else (0, 0, 1))
+        else:
+            out_fast.extend((0, n, 1) for n in shape[len(index):])
+            return out_fast
     n_ell = sum(1 for i in index if i is Ellipsis)
     if n_ell > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")

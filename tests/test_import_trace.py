@@ -376,7 +376,8 @@ def test_the_audit_hook_notes_reads_and_listings_only(tmp_path, fresh_open_log):
     assert fresh_open_log == [f, f + "2", str(tmp_path) + os.sep]
 
 
-def test_reader_threads_opens_are_not_the_process(fresh_open_log, tmp_path):
+def test_reader_threads_opens_are_not_the_process(tmp_path, fresh_open_log):   # tmp_path made first: its
+    # creation lists a directory, which an audit hook left installed by an earlier test would note
     def reader():
         itrace._quiet.on = True
         itrace._audit("open", (str(tmp_path / "checkpoint-piece"), None, os.O_RDONLY))

@@ -13,14 +13,14 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from .dtypes import DType
 from .header import TensorInfo
 
 
-@dataclass(frozen=True, slots=True)
-class Run:
+class Run(NamedTuple):   # a tuple, not a frozen dataclass: a plan makes hundreds, and a
+    # frozen dataclass's __init__ costs ~5x a tuple's (a TP shard's plan: 3 ms -> 1 ms on the H200)
     src: int     # absolute offset of the first byte in the file (load) or in the tensor (save)
     pitch: int   # distance between row starts at the source
     width: int   # bytes per row
@@ -37,8 +37,7 @@ class Run:
         return self.width * self.height
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
+class Chunk(NamedTuple):
     file: int    # index into the plan's files
     dest: int    # index into the plan's destinations
     run: Run
@@ -245,16 +244,19 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
     if granule > chunk_bytes:
         raise ValueError(f"granule ({granule}) larger than the chunk size ({chunk_bytes})")
     dests, chunks, counts = [], [], []
+    granules: dict[int, int] = {}
     for i, s in enumerate(selections):
         shape, runs = slice_runs(s.info, s.data_start, s.index)
-        nbytes = sum(r.nbytes for r in runs)
-        dests.append(Destination(s.name or s.info.name, s.info.dtype, shape, nbytes))
-        n = 0
+        dests.append(Destination(s.name or s.info.name, s.info.dtype, shape, sum(r.width * r.height for r in runs)))
+        n = len(chunks)
         for r in runs:
-            for piece in split_run(r, chunk_bytes, granule=math.lcm(granule, max(1, s.info.dtype.itemsize))):
-                chunks.append(Chunk(s.file, i, piece))
-                n += 1
-        counts.append(n)
+            if r.span <= chunk_bytes:   # most runs of a plan: no cutting
+                chunks.append(Chunk(s.file, i, r))
+                continue
+            itemsize = s.info.dtype.itemsize
+            g = granules.get(itemsize) or granules.setdefault(itemsize, math.lcm(granule, max(1, itemsize)))
+            chunks.extend(Chunk(s.file, i, piece) for piece in split_run(r, chunk_bytes, granule=g))
+        counts.append(len(chunks) - n)
     return LoadPlan(tuple(dests), tuple(chunks), tuple(counts))
 
 

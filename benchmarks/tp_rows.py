@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream import heldcalls, loader  # noqa: E402
+from foxhunt_stream import loader  # noqa: E402
 from foxhunt_stream.checkpoint import open_checkpoint  # noqa: E402
 from foxhunt_stream.shard import indices_for  # noqa: E402
 
@@ -60,7 +60,7 @@ def host_pass(paths: list[str], threads: int = 16, chunk: int = 8 << 20, part: t
     return dt, sum(min(chunk, os.path.getsize(p) - off) for p, off in jobs)
 
 
-def allocate_upfront():  # noqa: D401 - kept for experiments
+def allocate_upfront():
     """Patch: allocate every destination on the calling thread before the workers start."""
     orig = loader.Destinations.allocate_ahead
 
@@ -104,29 +104,19 @@ def main(argv=None) -> int:
 
     # no variant may change chunk_bytes or staging_bytes: the process-wide pinned pool would be
     # replaced (hundreds of ms of pinned allocation) each time the next variant swapped it back
-    def cupy_calls(fn):
-        """``fn`` with heldcalls off: every CUDA call through cupy (GIL released around each)."""
-        def run():
-            heldcalls.ENABLED = False
-            try:
-                return fn()
-            finally:
-                heldcalls.ENABLED = True
-        return run
-
-    # no variant may change chunk_bytes or staging_bytes: the process-wide pinned pool would be
-    # replaced (hundreds of ms of pinned allocation) each time the next variant swapped it back
     variants = {
         "full": load(),
-        "full, cupy calls": cupy_calls(load()),
+        "full, threads=12": load(threads=12),
         "full, threads=14": load(threads=14),
         "rows": load(row),
-        "rows, cupy calls": cupy_calls(load(row)),
-        "rows, threads=14": load(row, threads=14),
+        "rows, threads=10": load(row, threads=10),
         "rows, threads=12": load(row, threads=12),
-        "rows, threads=14, cupy calls": cupy_calls(load(row, threads=14)),
+        "rows, threads=14": load(row, threads=14),
         "rows, headers parsed before (Checkpoint passed)": load(row, source=ck),
+        "rows, threads=12, headers parsed before": load(row, source=ck, threads=12),
+        "rows, all allocated before the reads": upfront,
         "rows, load_into preallocated": lambda: fs.load_into(pre, src, shard=row),
+        "rows, threads=12, load_into preallocated": lambda: fs.load_into(pre, src, shard=row, threads=12),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():   # warm: staging, streams, caching allocator

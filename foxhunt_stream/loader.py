@@ -206,9 +206,8 @@ class Landing:
             # every GPU worker holds a ring of at least one pinned slot until it runs out of work:
             # more workers than slots would leave some waiting for a slot until the others finish
             s = replace(s, threads=min(s.threads, s.n_slots))
-        one_gpu = sum(dev.is_cuda for dev in dests.devices) == 1   # no worker switches GPUs
         self._targets: dict[Device, Any] = {
-            dev: (CudaTarget(dev.index, s.chunk_bytes, s.n_slots, s.threads, hold_gil=one_gpu) if dev.is_cuda
+            dev: (CudaTarget(dev.index, s.chunk_bytes, s.n_slots, s.threads) if dev.is_cuda
                   else HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)))
             for dev in dests.devices}
         self.started = time.perf_counter()

@@ -18,7 +18,6 @@ import numpy as np
 
 from .device import context, cupy, use_device
 from .frameworks import Buffer
-from .heldcalls import held_calls
 from .plan import Run
 from .source import ALIGN, FileSource
 from .staging import StagingPool, host_pool
@@ -92,9 +91,9 @@ class HostTarget:
 class _Ring:
     """One worker's pinned slots, used in turn; each slot's event marks its last copy."""
 
-    __slots__ = ("pool", "slots", "ptrs", "events", "pending", "next", "stream_ptr", "stream", "held")
+    __slots__ = ("pool", "slots", "ptrs", "events", "pending", "next", "stream_ptr", "stream")
 
-    def __init__(self, pool, slots, stream, events, held=None) -> None:
+    def __init__(self, pool, slots, stream, events) -> None:
         self.pool = pool    # the pool the slots go back to (a settings change may replace the device's)
         self.slots = slots
         self.ptrs = [slot.ptr for slot in slots]
@@ -103,7 +102,6 @@ class _Ring:
         self.next = 0
         self.stream = stream
         self.stream_ptr = stream.ptr
-        self.held = held    # heldcalls.HeldCalls: copy and record without releasing the GIL, or None
 
 
 class CudaTarget:
@@ -117,12 +115,8 @@ class CudaTarget:
     as ~1 ms of waiting per chunk outside the reads before this ring.
     """
 
-    def __init__(self, device_index: int, chunk_bytes: int, n_slots: int, threads: int = 1,
-                 hold_gil: bool = False) -> None:
-        """``hold_gil``: queue copies and records through ``heldcalls`` (only where every worker
-        serves this one device: the driver calls need the stream's context current)."""
+    def __init__(self, device_index: int, chunk_bytes: int, n_slots: int, threads: int = 1) -> None:
         self.index = device_index
-        self._held = held_calls() if hold_gil else None
         self.ctx = context(device_index)
         self.slot_bytes = chunk_bytes + 2 * ALIGN
         self.n_slots = n_slots
@@ -152,8 +146,7 @@ class CudaTarget:
                 if slot.cuda_event is None:
                     slot.cuda_event = cp.cuda.Event(block=False, disable_timing=True)
                 events.append(slot.cuda_event)
-            held = self._held if self._held is not None and self._held.has_context() else None
-            ring = self._rings[worker] = _Ring(pool, slots, self.ctx.stream(worker), events, held)
+            ring = self._rings[worker] = _Ring(pool, slots, self.ctx.stream(worker), events)
         except BaseException:   # nothing may keep a slot of the process-wide pool
             for slot in slots:
                 pool.release(slot)
@@ -194,10 +187,7 @@ class CudaTarget:
         if run.height > 1 and source.gather(run, slot.array):    # mapped source: rows packed
             if callable(buf):
                 buf = buf()
-            if ring.held is not None:
-                ring.held.copy_h2d(buf.ptr + run.dst, src, run.nbytes, ring.stream_ptr)
-            else:
-                rt.memcpyAsync(buf.ptr + run.dst, src, run.nbytes, H2D, ring.stream_ptr)
+            rt.memcpyAsync(buf.ptr + run.dst, src, run.nbytes, H2D, ring.stream_ptr)
         else:
             if inspect is not None:
                 view = read_inspected(source, run.src, run.span, slot.array, inspect)
@@ -207,18 +197,13 @@ class CudaTarget:
                 src = view.ctypes.data
             if callable(buf):
                 buf = buf()
-            if run.height > 1:
+            if run.height == 1:
+                rt.memcpyAsync(buf.ptr + run.dst, src, run.nbytes, H2D, ring.stream_ptr)
+            else:
                 rt.memcpy2DAsync(buf.ptr + run.dst, run.width, src, run.pitch, run.width, run.height,
                                  H2D, ring.stream_ptr)
-            elif ring.held is not None:
-                ring.held.copy_h2d(buf.ptr + run.dst, src, run.nbytes, ring.stream_ptr)
-            else:
-                rt.memcpyAsync(buf.ptr + run.dst, src, run.nbytes, H2D, ring.stream_ptr)
         try:
-            if ring.held is not None:
-                ring.held.record(event.ptr, ring.stream_ptr)
-            else:
-                rt.eventRecord(event.ptr, ring.stream_ptr)
+            rt.eventRecord(event.ptr, ring.stream_ptr)
         except BaseException:
             ring.stream.synchronize()   # the event cannot stand for the copy: wait for it here
             ring.pending[k] = False

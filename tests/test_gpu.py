@@ -307,27 +307,3 @@ def test_load_to_second_gpu_if_present(tmp_path, cp):
     out = fs.load_file(tmp_path / "m.safetensors", device="cuda:1")
     assert out["a"].device.id == 1
     assert _bytes_of(out["a"], cp) == raw["a"]
-
-
-def test_held_calls_are_used_on_a_gpu_and_land_the_same_bytes(tmp_path, cp, monkeypatch):
-    """On a CUDA machine the driver calls load (heldcalls) and a single-GPU load's workers use
-    them; turned off, the same file lands the same bytes through cupy's calls."""
-    from foxhunt_stream import heldcalls, target
-    assert heldcalls.held_calls() is not None
-    rings = []
-    orig = target.CudaTarget._ring
-
-    def spy(self, worker):
-        ring = orig(self, worker)
-        rings.append(ring.held)
-        return ring
-    monkeypatch.setattr(target.CudaTarget, "_ring", spy)
-    raw = write_random_file(tmp_path / "all.safetensors", ALL_DTYPE_SPECS)
-    held = fs.load_file(tmp_path / "all.safetensors", device="cuda:0", framework="cupy", chunk_bytes=4096, threads=4)
-    assert rings and all(r is not None for r in rings)
-    monkeypatch.setattr(heldcalls, "ENABLED", False)
-    rings.clear()
-    plain = fs.load_file(tmp_path / "all.safetensors", device="cuda:0", framework="cupy", chunk_bytes=4096, threads=4)
-    assert rings and all(r is None for r in rings)
-    for name in raw:
-        assert _bytes_of(held[name], cp) == _bytes_of(plain[name], cp) == raw[name], name

@@ -38,13 +38,29 @@ class Job:
         self._alive = n
         self._threads = [threading.Thread(target=self._run, args=(w,), name=f"{name}-{w}", daemon=True)
                          for w in range(n)]
+        self._held: list[threading.Thread] = []
+        self._released = False
         if not n:
             self._done.set()
 
-    def start(self) -> "Job":
-        for t in self._threads:
+    def start(self, hold: int = 0) -> "Job":
+        """Start the workers; the last ``hold`` of them only at ``release()`` (which the caller
+        must make sure happens: until then the job cannot finish)."""
+        with self._lock:
+            hold = 0 if self._released else max(0, min(hold, len(self._threads) - 1))
+            self._held = self._threads[len(self._threads) - hold:] if hold else []
+            now = self._threads[:len(self._threads) - hold]
+        for t in now:
             t.start()
         return self
+
+    def release(self) -> None:
+        """Start the workers ``start(hold=)`` held back (at once if called before ``start``)."""
+        with self._lock:
+            self._released = True
+            held, self._held = self._held, []
+        for t in held:
+            t.start()
 
     def _run(self, worker: int) -> None:
         try:

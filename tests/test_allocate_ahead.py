@@ -71,3 +71,69 @@ def test_allocation_failure_surfaces_naming_the_tensor(ckpt, monkeypatch):
         fs.load_file(p, threads=4, chunk_bytes=4096)
     monkeypatch.setattr(frameworks.NumpyFramework, "empty", real)
     assert len(fs.load_file(p, threads=4)) == 120    # the process is fine for the next load
+
+
+def test_workers_held_back_start_when_the_allocator_is_done(ckpt, monkeypatch):
+    """While the allocating thread runs, the last workers wait (leaving it a CPU); they start as
+    soon as it finishes, and the load lands everything."""
+    p, tensors = ckpt
+    from foxhunt_stream import loader
+    events: list[tuple[str, str, float]] = []
+    lock = threading.Lock()
+    real_empty = frameworks.NumpyFramework.empty
+    real_read = source.FileSource.read_into
+
+    def slow_empty(self, dtype, shape, device, tensor=""):
+        time.sleep(0.0003)
+        with lock:
+            events.append(("alloc", threading.current_thread().name, time.perf_counter()))
+        return real_empty(self, dtype, shape, device, tensor)
+
+    def noted_read(self, out, offset):
+        with lock:
+            events.append(("read", threading.current_thread().name, time.perf_counter()))
+        time.sleep(0.003)   # reads slower than allocations: work is left when the allocator is done
+        return real_read(self, out, offset)
+    monkeypatch.setattr(frameworks.NumpyFramework, "empty", slow_empty)
+    monkeypatch.setattr(source.FileSource, "read_into", noted_read)
+    monkeypatch.setattr(loader, "held_workers", lambda threads: 2)
+    out = fs.load_file(p, threads=4, chunk_bytes=4096)
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(out[k], v)
+    allocator_done = max(t for kind, th, t in events if kind == "alloc" and th == "foxhunt-alloc")
+    first_read = {}
+    for kind, th, t in events:
+        if kind == "read":
+            first_read.setdefault(th, t)
+    assert {"foxhunt-2", "foxhunt-3"} <= set(first_read)            # the held workers did work...
+    assert min(first_read["foxhunt-2"], first_read["foxhunt-3"]) >= allocator_done   # ...only after it
+    assert min(first_read["foxhunt-0"], first_read["foxhunt-1"]) < allocator_done    # the others overlapped it
+
+
+def test_held_workers_leave_two_cpus():
+    from foxhunt_stream.loader import held_workers
+    assert held_workers(16, cpus=16) == 2
+    assert held_workers(14, cpus=16) == 0
+    assert held_workers(16, cpus=32) == 0
+    assert held_workers(2, cpus=2) == 1        # never all of them
+    assert held_workers(1, cpus=1) == 0
+
+
+def test_job_release_before_or_after_start():
+    from foxhunt_stream.pipeline import Job
+    seen = []
+    lock = threading.Lock()
+
+    def work(worker, item):
+        with lock:
+            seen.append(worker)
+    job = Job(list(range(40)), work, 4).start(hold=2)
+    time.sleep(0.05)
+    assert not job.done() or set(seen) <= {0, 1}
+    job.release()
+    job.wait(10)
+    assert len(seen) == 40 and set(seen) <= {0, 1, 2, 3}
+    early = Job(list(range(10)), work, 4)
+    early.release()                      # before start: nothing is held
+    early.start(hold=3).wait(10)
+    assert early.done()

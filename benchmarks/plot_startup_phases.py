@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 
-GROUPS = (("imports", ("python_start", "prefetch_started", "import_torch", "import_transformers"), "#7570b3"),
+GROUPS = (("imports", ("python_start", "prefetch_started", "code_warmed", "import_torch", "import_transformers"), "#7570b3"),
           ("CUDA, model, warmup", ("cuda_init", "import_foxhunt", "meta_model", "to_empty", "fs_warmup"), "#bbbbbb"),
           ("load", ("load",), "#d95f02"),
           ("forward", ("forward",), "#1b9e77"))

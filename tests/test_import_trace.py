@@ -693,3 +693,38 @@ def test_a_hot_start_skips_the_small_code_files_and_their_metadata(tmp_path, mon
     h = fs.prefetch(path, imports=trace)
     h.wait()
     assert h.module_paths == files and h.module_bytes == 40_000
+
+
+def test_wait_imports_returns_once_the_code_files_are_read(tmp_path, monkeypatch):
+    """wait_imports: the trace's files are read and its metadata pass done, while the checkpoint
+    may still be streaming (here held back until the wait returned)."""
+    files = []
+    for i in range(3):
+        f = tmp_path / f"m{i}.so"
+        f.write_bytes(bytes([i + 1]) * 10_000)
+        files.append(str(f))
+    trace = tmp_path / "imports.txt"
+    trace.write_text(itrace.TRACE_HEADER + "\n" + "\n".join(files) + "\n")
+    path = _checkpoint(tmp_path)
+    gate = threading.Event()
+    real_work = warm.PrefetchHandle._work
+
+    def held(self, worker, piece):
+        assert gate.wait(10)
+        return real_work(self, worker, piece)
+    monkeypatch.setattr(warm.PrefetchHandle, "_work", held)
+    h = fs.prefetch(path, skip_resident=False, threads=1, imports=trace)
+    h.wait_imports(timeout=10)
+    assert h.module_bytes == 30_000                                  # every code file read
+    assert not h._modules_thread.is_alive()
+    assert h._metadata_thread is None or not h._metadata_thread.is_alive()
+    assert h.bytes_done == 0 and not h.done()                       # the checkpoint still to come
+    gate.set()
+    h.wait(timeout=10)
+    assert h.bytes_done == h.nbytes
+
+
+def test_wait_imports_without_code_files_returns_at_once(tmp_path):
+    h = fs.prefetch(_checkpoint(tmp_path), skip_resident=False)
+    h.wait_imports(timeout=5)
+    h.wait(timeout=10)

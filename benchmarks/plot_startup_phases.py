@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     ax.set_xticklabels([b for b, _ in bars], fontsize=7)
     ax.set_ylabel("seconds")
     ax.set_title(args.title, fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(args.png, dpi=130)
     print(f"wrote {args.png}")

@@ -130,6 +130,44 @@ def normalize_index(index, shape: Sequence[int]) -> list[int | tuple[int, int, i
 
 def slice_runs(info: TensorInfo, data_start: int, index=None) -> tuple[tuple[int, ...], list[Run]]:
     """The result shape and the 2-D runs that read ``tensor[index]`` into a packed array."""
+    if type(index) is tuple and 0 < len(index) <= 2:
+        fast = _shard_runs(info, data_start, index)
+        if fast is not None:
+            return fast
+    return _slice_runs(info, data_start, index)
+
+
+def _shard_runs(info: TensorInfo, data_start: int, index: tuple):
+    """``x[a:b]`` or ``x[:, a:b]`` (what a tensor-parallel shard asks for), without the general
+    machinery: one run. None when the index is anything else (the general path decides)."""
+    shape = info.shape
+    k = len(index) - 1
+    if k >= len(shape) or info.dtype.sub_byte:
+        return None
+    last = index[k]
+    if type(last) is not slice or last.step is not None or (k == 1 and index[0] != slice(None)):
+        return None
+    start, stop, _ = last.indices(shape[k])
+    count = stop - start
+    if count <= 0 or (k == 1 and count == shape[1]):
+        return None
+    inner = info.dtype.itemsize
+    for n in shape[k + 1:]:
+        inner *= n
+    width = count * inner
+    if width == 0:
+        return None
+    out_shape = shape[:k] + (count,) + shape[k + 1:]
+    if k == 0:
+        return out_shape, [Run(data_start + info.start + start * inner, width, width, 1, 0)]
+    height = shape[0]
+    if height == 0:
+        return None
+    return out_shape, [Run(data_start + info.start + start * inner, shape[1] * inner if height > 1 else width,
+                           width, height, 0)]
+
+
+def _slice_runs(info: TensorInfo, data_start: int, index=None) -> tuple[tuple[int, ...], list[Run]]:
     base = data_start + info.start
     if index is None:
         return info.shape, ([Run(base, info.nbytes, info.nbytes, 1, 0)] if info.nbytes else [])

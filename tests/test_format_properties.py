@@ -252,6 +252,24 @@ def test_slice_runs_copy_exactly_the_selection(shape, itemsize, data):
     assert got == want.tobytes()
 
 
+@bounded(300)
+@given(shape=shapes, itemsize=st.sampled_from(sorted(UINT)), data=st.data())
+def test_shard_indices_take_a_short_path_with_the_same_runs(shape, itemsize, data):
+    """``x[a:b]`` and ``x[:, a:b]`` (tensor-parallel shards) skip the general planner: the runs
+    are exactly the ones it would make, empty and full slices included."""
+    from foxhunt_stream import plan as fplan
+    nbytes = int(np.prod(shape)) * itemsize
+    info = TensorInfo("t", DTYPES[UINT[itemsize]], tuple(shape), 8, 8 + nbytes)
+    dim = data.draw(st.integers(0, min(1, len(shape) - 1))) if shape else 0
+    n = shape[dim] if shape else 0
+    a = data.draw(st.integers(-n - 2, n + 2))
+    b = data.draw(st.integers(-n - 2, n + 2) | st.none())
+    idx = (slice(None),) * dim + (slice(a, b),)
+    if not shape:
+        return
+    assert slice_runs(info, 24, idx) == fplan._slice_runs(info, 24, idx)
+
+
 def test_slice_runs_whole_tensor_is_one_run():
     info = TensorInfo("t", DTYPES["F32"], (3, 4), 16, 64)
     assert slice_runs(info, 100) == ((3, 4), [Run(116, 48, 48, 1, 0)])
@@ -341,3 +359,17 @@ def test_multi_chunk_save_is_byte_identical(tmp_path):
     fs.save_file(tensors, ours, metadata={"k": "v"}, chunk_bytes=4096, threads=2, fsync=False)
     stn.save_file({k: np.array(v, order="C") for k, v in tensors.items()}, str(ref), metadata={"k": "v"})
     assert ours.read_bytes() == ref.read_bytes()
+
+
+@pytest.mark.parametrize("digits", [309, 310, 400])   # 309 nines: above the largest double
+def test_integers_beyond_a_double_are_still_rejected_in_unknown_fields(digits):
+    """The parser skips its per-integer hook when a header has no "-0" and no 300-digit run;
+    such a run must still switch it on (serde_json: "number out of range")."""
+    import struct
+    from foxhunt_stream.errors import FormatError
+    from foxhunt_stream.header import parse_header
+    body = ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":' + "9" * digits + "}}").encode()
+    body += b" " * (-len(body) % 8)
+    with pytest.raises(FormatError) as e:
+        parse_header(struct.pack("<Q", len(body)) + body, 8 + len(body) + 8)
+    assert e.value.rule == "header-json"

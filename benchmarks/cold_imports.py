@@ -24,6 +24,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchutil import drop_caches  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 IMPORT = ("import time; t=time.perf_counter(); import torch; a=time.perf_counter(); import transformers; "
@@ -36,12 +39,6 @@ REPLAY = ("import sys, time; sys.path.insert(0, {repo!r}); import foxhunt_stream
           "t=time.perf_counter(); h=fs.prefetch({tiny!r}, imports={trace!r}); h.wait(); a=time.perf_counter(); "
           "m=h._metadata_thread; m.join() if m else None; b=time.perf_counter(); "
           "print(f'{{a-t:.3f}} {{b-t:.3f}} {{h.module_bytes}}')")
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def py(code: str) -> str:

@@ -14,12 +14,13 @@ import argparse
 import glob
 import os
 import sys
-import threading
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from foxhunt_stream.source import sendfile_to_null  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchutil import drop_caches, run_jobs  # noqa: E402
 
 
 def meminfo(key: str) -> int:
@@ -30,37 +31,15 @@ def meminfo(key: str) -> int:
     return 0
 
 
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def read_all(paths: list[str], readers: int, step: int, piece: int = 64 << 20) -> float:
     jobs = [(p, off, min(piece, os.path.getsize(p) - off)) for p in paths
             for off in range(0, os.path.getsize(p), piece)]
-    it = iter(jobs)
-    lock = threading.Lock()
     fds = {p: os.open(p, os.O_RDONLY) for p in paths}
-
-    def work():
-        while True:
-            with lock:
-                job = next(it, None)
-            if job is None:
-                return
-            p, off, n = job
-            sendfile_to_null(fds[p], off, n, step)
-    ts = [threading.Thread(target=work) for _ in range(readers)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    dt = time.perf_counter() - t0
-    for fd in fds.values():
-        os.close(fd)
-    return dt
+    try:
+        return run_jobs(jobs, readers, lambda job: sendfile_to_null(fds[job[0]], job[1], job[2], step))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def main(argv=None) -> int:

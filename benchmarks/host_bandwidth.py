@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from tp_bench import h2d_rate  # noqa: E402
 from tp_rows import host_pass  # noqa: E402
 
 
@@ -70,25 +71,8 @@ def page_cache_processes(paths: list[str], procs: int, threads: int) -> float:
     return sum(nb for _, nb in res) / max(dt for dt, _ in res) / 1e9
 
 
-def _h2d_worker(gpu, barrier, q, nbytes=1 << 30):
-    import cupy as cp
-    with cp.cuda.Device(gpu):
-        mem = cp.cuda.alloc_pinned_memory(nbytes)
-        host = np.frombuffer(mem, np.uint8, nbytes)
-        host[:] = 1
-        dst = cp.empty(nbytes, np.uint8)
-        stream = cp.cuda.Stream(non_blocking=True)
-        barrier.wait()
-        best = float("inf")
-        for _ in range(3):
-            stream.synchronize()
-            t0 = time.perf_counter()
-            for off in range(0, nbytes, 16 << 20):
-                cp.cuda.runtime.memcpyAsync(dst.data.ptr + off, host.ctypes.data + off, 16 << 20,
-                                            cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-            stream.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        q.put(nbytes / best / 1e9)
+def _h2d_worker(gpu, barrier, q):
+    q.put(h2d_rate(gpu, ready=barrier.wait))
 
 
 def h2d(gpus: list[int]) -> list[float]:

@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 import numpy as np
@@ -29,34 +28,22 @@ from foxhunt_stream import loader  # noqa: E402
 from foxhunt_stream.checkpoint import open_checkpoint  # noqa: E402
 from foxhunt_stream.shard import indices_for  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchutil import run_jobs  # noqa: E402
+
 
 def host_pass(paths: list[str], threads: int = 16, chunk: int = 8 << 20, part: tuple[int, int] = (0, 1)
               ) -> tuple[float, int]:
     """Seconds to preadv every byte of ``paths`` into per-thread buffers (the page cache -> host
     copy a positional-read load makes), and the bytes; ``part=(i, n)``: only every n-th chunk."""
     jobs = [(p, off) for p in paths for off in range(0, os.path.getsize(p), chunk)][part[0]::part[1]]
-    it = iter(jobs)
-    lock = threading.Lock()
     fds = {p: os.open(p, os.O_RDONLY) for p in paths}
-
-    def work():
-        buf = np.empty(chunk, np.uint8)
-        mv = memoryview(buf)
-        while True:
-            with lock:
-                job = next(it, None)
-            if job is None:
-                return
-            os.preadv(fds[job[0]], [mv], job[1])
-    ts = [threading.Thread(target=work) for _ in range(threads)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    dt = time.perf_counter() - t0
-    for fd in fds.values():
-        os.close(fd)
+    try:
+        dt = run_jobs(jobs, threads, lambda job, mv: os.preadv(fds[job[0]], [mv], job[1]),
+                      setup=lambda: memoryview(np.empty(chunk, np.uint8)))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return dt, sum(min(chunk, os.path.getsize(p) - off) for p, off in jobs)
 
 

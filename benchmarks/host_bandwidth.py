@@ -20,36 +20,11 @@ import glob
 import multiprocessing as mp
 import os
 import sys
-import threading
-import time
-
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tp_bench import h2d_rate  # noqa: E402
+from benchutil import h2d_rate, memcpy_rate  # noqa: E402
 from tp_rows import host_pass  # noqa: E402
-
-
-def memcpy_rate(threads: int, nbytes: int = 1 << 30, repeat: int = 3) -> float:
-    src = np.ones(nbytes, np.uint8)
-    dst = np.empty(nbytes, np.uint8)
-    dst[:] = 0
-    bounds = np.linspace(0, nbytes, threads + 1).astype(np.int64) // 4096 * 4096
-    bounds[-1] = nbytes
-
-    def copy(i):
-        np.copyto(dst[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]])
-    best = float("inf")
-    for _ in range(repeat):
-        ts = [threading.Thread(target=copy, args=(i,)) for i in range(threads)]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
 
 
 def _pc_worker(paths, threads, part, barrier, q):

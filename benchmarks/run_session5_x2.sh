@@ -11,13 +11,5 @@ python3 -c "import sys; sys.path.insert(0,'benchmarks'); import gpu_bench as g; 
 timeout 150 python3 benchmarks/host_bandwidth.py /dev/shm/tpb --gpus 2 2>&1 | tee "$OUT/host_bandwidth.log"
 timeout 150 python3 -m pytest -q -p no:cacheprovider --timeout=120 tests/test_gpu_distributed.py tests/test_gpu_device_map.py 2>&1 \
   | tee "$OUT/pytest.log" | tail -4
-timeout 60 python3 - <<'PY' 2>&1 | tee "$OUT/single.log"
-import time, torch, foxhunt_stream as fs
-ts = []
-for i in range(4):
-    torch.cuda.synchronize(); t = time.perf_counter()
-    out = fs.load_file("/dev/shm/tpb", device="cuda:0", framework="pt"); torch.cuda.synchronize()
-    ts.append(time.perf_counter() - t); n = sum(v.numel() * v.element_size() for v in out.values()); del out
-print(f"single-GPU load, one process, cuda:0: {n / 1e9:.3f} GB, runs {[round(x, 3) for x in ts]}, best of last 3 {min(ts[1:]):.3f} s = {n / min(ts[1:]) / 1e9:.1f} GB/s")
-PY
+timeout 60 python3 benchmarks/single_load.py /dev/shm/tpb 2>&1 | tee "$OUT/single.log"
 timeout 150 torchrun --nproc-per-node 2 benchmarks/dist_bench.py /dev/shm/tpb --baseline --repeat 3 --out "$OUT/dist.json" 2>&1 | tee "$OUT/dist.log" | tail -25

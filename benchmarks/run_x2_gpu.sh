@@ -8,15 +8,7 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,pcie.link.gen.current,pcie.link.width.current --format=csv; nvidia-smi topo -m; nproc; git log -1 --format=%H; } 2>&1 | tee "$OUT/env.log"
 python3 -c "import sys; sys.path.insert(0,'benchmarks'); import gpu_bench as g; g.build_checkpoint('/dev/shm/tpb', 15, 4)" 2>&1 | tail -1
 timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout=120 tests/test_gpu_distributed.py tests/test_gpu_device_map.py tests/test_gpu.py 2>&1 | tee "$OUT/pytest.log" | tail -8
-timeout 60 python3 - <<'PY' 2>&1 | tee "$OUT/single.log"
-import time, torch, foxhunt_stream as fs
-ts = []
-for i in range(4):
-    torch.cuda.synchronize(); t = time.perf_counter()
-    out = fs.load_file("/dev/shm/tpb", device="cuda:0", framework="pt"); torch.cuda.synchronize()
-    ts.append(time.perf_counter() - t); n = sum(v.numel() * v.element_size() for v in out.values()); del out
-print(f"single-GPU load, one process, cuda:0: {n / 1e9:.3f} GB, runs {[round(x, 3) for x in ts]}, best of last 3 {min(ts[1:]):.3f} s = {n / min(ts[1:]) / 1e9:.1f} GB/s")
-PY
+timeout 60 python3 benchmarks/single_load.py /dev/shm/tpb 2>&1 | tee "$OUT/single.log"
 timeout 150 torchrun --nproc-per-node 2 benchmarks/dist_bench.py /dev/shm/tpb --baseline --repeat 3 --out "$OUT/dist.json" 2>&1 | tee "$OUT/dist.log" | tail -25
 timeout 90 torchrun --nproc-per-node 2 benchmarks/dist_bench.py /dev/shm/tpb --shard-dim 0 --repeat 3 2>&1 | tee "$OUT/dist_tp.log" | tail -15
 timeout 90 python3 benchmarks/device_map_bench.py /dev/shm/tpb --repeat 3 2>&1 | tee "$OUT/device_map.log" | tail -15

@@ -28,6 +28,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import foxhunt_stream as fs  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchutil import h2d_rate, memcpy_rate  # noqa: E402
 from foxhunt_stream import source as fsource  # noqa: E402
 from foxhunt_stream.checkpoint import open_checkpoint  # noqa: E402
 from foxhunt_stream.settings import parse_size  # noqa: E402
@@ -139,54 +141,13 @@ def bytes_read(fn) -> int:
     return total[0]
 
 
-def h2d_rate(gpu: int, nbytes: int = 1 << 30, ready=None) -> float:
-    """GB/s of pinned -> device copies in 16 MiB pieces on one stream, best of 3; ``ready()``
-    runs after the buffers exist and before the timing (a barrier between processes)."""
-    import cupy as cp
-    with cp.cuda.Device(gpu):
-        mem = cp.cuda.alloc_pinned_memory(nbytes)
-        host = np.frombuffer(mem, np.uint8, nbytes)
-        host[:] = 1
-        dst = cp.empty(nbytes, np.uint8)
-        stream = cp.cuda.Stream(non_blocking=True)
-        if ready is not None:
-            ready()
-        best = float("inf")
-        for _ in range(3):
-            stream.synchronize()
-            t0 = time.perf_counter()
-            for off in range(0, nbytes, 16 << 20):
-                cp.cuda.runtime.memcpyAsync(dst.data.ptr + off, host.ctypes.data + off, min(16 << 20, nbytes - off),
-                                            cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-            stream.synchronize()
-            best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
 def ceiling(device: str, threads: int) -> tuple[str, float]:
     """The copy the landed bytes cannot beat, measured now: pinned H2D on a GPU, a threaded
     host memcpy on the CPU (page cache -> destination is at least one such copy)."""
     n = 1 << 30
     if device != "cpu":
         return "pinned H2D (16 MiB copies)", h2d_rate(int(device.split(":")[1]) if ":" in device else 0, n)
-    src = np.ones(n, np.uint8)
-    dst = np.empty(n, np.uint8)
-    parts = np.array_split(np.arange(n // 4096) * 4096, threads)
-
-    def copy(p):
-        if len(p):
-            a, b = p[0], p[-1] + 4096
-            np.copyto(dst[a:b], src[a:b])
-    best = float("inf")
-    for _ in range(3):
-        ts = [threading.Thread(target=copy, args=(p,)) for p in parts]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        best = min(best, time.perf_counter() - t0)
-    return f"host memcpy, {threads} threads", n / best / 1e9
+    return f"host memcpy, {threads} threads", memcpy_rate(threads, n)
 
 
 def main(argv=None) -> int:

@@ -36,6 +36,7 @@ import numpy as np
 from . import settings as _settings
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
 from .pipeline import Cancelled, Job
+from .warmchild import ChildJob
 from .source import FileSource, open_source, resident_fraction, sendfile_to_null
 from .importtrace import _quiet, _quietly, code_files, module_files, warm_metadata, watch_opens  # noqa: F401
 
@@ -193,7 +194,7 @@ class PrefetchHandle:
     def __init__(self, ck: Checkpoint, pieces: list[Piece], sources: dict[int, FileSource],
                  name_pieces: dict[str, tuple[int, int]], threads: int, method: str,
                  priority: str = "normal", modules_first: tuple | None = None,
-                 max_rate: float | None = None) -> None:
+                 max_rate: float | None = None, helper_process: bool = False) -> None:
         self.paths = list(ck.paths)
         # modules_first = (packages, import trace, piece bytes, skip_resident): their files are
         # found and read on the readers' threads before the checkpoint's pieces (code_files); a piece
@@ -219,8 +220,14 @@ class PrefetchHandle:
         self._closer = weakref.finalize(self, _close_sources, sources)
         self.started = time.perf_counter()
         self.finished: float | None = None
-        self._job = Job(pieces, self._work, threads, self._on_done, name="foxhunt-prefetch",
-                        setup=self._setup)
+        if helper_process:   # the checkpoint's reads in a child process: none of them takes our GIL
+            paced = priority == "idle" or max_rate is not None
+            self._job: Job | ChildJob = ChildJob(
+                ck.paths, [h.file_size for h in ck.headers], pieces, self._on_done, threads, priority,
+                PACED_BYTES if paced else WARM_BYTES, WARM_BYTES, max_rate)
+        else:
+            self._job = Job(pieces, self._work, threads, self._on_done, name="foxhunt-prefetch",
+                            setup=self._setup)
         if not pieces:
             self._closer()
             self.finished = self.started
@@ -421,6 +428,8 @@ class PrefetchHandle:
         the files began)."""
         self._loading = True
         self._pacer.release()
+        if isinstance(self._job, ChildJob):
+            self._job.fast()
 
     def cancel(self) -> None:
         """Stop the readers and close the files: each reader finishes at most its current call
@@ -450,7 +459,7 @@ def _close_sources(sources: dict[int, FileSource]) -> None:
 
 def prefetch(source, names: Names = None, *, method: str = "read", skip_resident: bool = True,
              priority: str = "idle", modules: Sequence[str] = (), imports: str | os.PathLike | None = None,
-             max_rate: float | None = None, **options) -> PrefetchHandle:
+             max_rate: float | None = None, helper_process: bool = False, **options) -> PrefetchHandle:
     """Start warming the page cache with a checkpoint's bytes; returns at once with a handle.
 
     ``source`` and ``names`` are as in ``load_file`` (``names=None``: whole files). ``method``:
@@ -474,6 +483,10 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     ``max_rate``: at most this many bytes per second of the checkpoint (not of the code files),
     until a load of its files starts (``loading``) or ``unthrottle()``: a disk kept busy makes
     every read the imports still do wait behind the prefetch's queue.
+    ``helper_process=True``: the checkpoint's bytes are read by a child process
+    (``python -m foxhunt_stream.warmchild``, same readers, steps and pacing) instead of threads
+    of this one, so its reads never take this process's GIL from the imports running meanwhile;
+    the code files (``imports=``, ``modules=``) are still read here first.
     Needs neither torch nor cupy; call it before importing them.
     """
     if method not in METHODS:
@@ -481,6 +494,8 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
     Pacer(max_rate)   # a bad max_rate fails here, before any file is opened
+    if helper_process and method != "read":
+        raise ValueError("helper_process=True reads the pieces (method='read'); 'advise' needs no helper")
     s = _settings.merge(**options)
     # A disk streams sequentially with a few readers (each has a whole piece in flight); more
     # would only compete with the imports running meanwhile for the same disk and cores.
@@ -522,7 +537,8 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
         imports = os.path.expanduser(os.fspath(imports))
         watch_opens()   # so that record_imports can list what this start reads
     modules_first = (tuple(modules), imports, s.chunk_bytes, skip_resident) if modules or imports else None
-    return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method, priority, modules_first, max_rate)
+    return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method, priority, modules_first, max_rate,
+                          helper_process)
 
 
 class WarmupHandle:

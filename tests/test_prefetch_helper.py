@@ -1,0 +1,127 @@
+"""prefetch(helper_process=True): the checkpoint's pieces are warmed by a child process
+(foxhunt_stream.warmchild) with the same readers, steps and pacing; progress, per-tensor waits,
+cancel, the load's unthrottle and errors all come back to the parent's handle."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import foxhunt_stream as fs
+from foxhunt_stream import warmchild
+from foxhunt_stream.errors import FormatError
+from foxhunt_stream.source import resident_fraction
+from foxhunt_stream.warm import Piece
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    rng = np.random.default_rng(5)
+    p = tmp_path / "w.safetensors"
+    fs.save_file({f"t{i}": rng.standard_normal(1 << 18).astype(np.float32) for i in range(6)}, p)
+    return str(p)
+
+
+def _evict(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_the_child_warms_every_piece(ckpt):
+    _evict(ckpt)
+    h = fs.prefetch(ckpt, skip_resident=False, helper_process=True, chunk_bytes=1 << 20)
+    h.wait("t2", timeout=60)
+    h.wait(timeout=60)
+    assert h.done() and h.bytes_done == h.nbytes > 0
+    assert h._job._proc.returncode == 0                   # a child did the reads, and exited cleanly
+    assert resident_fraction(ckpt, samples=64) == 1.0
+
+
+def test_cancel_stops_the_child(ckpt):
+    h = fs.prefetch(ckpt, skip_resident=False, helper_process=True, max_rate=2e5, chunk_bytes=1 << 20)
+    time.sleep(0.3)
+    h.cancel()
+    assert h.done() and h.bytes_done < h.nbytes
+    assert h._job._proc.poll() is not None               # gone, not left running
+    from foxhunt_stream.pipeline import Cancelled
+    with pytest.raises(Cancelled):
+        h.wait(timeout=5)
+
+
+def test_a_load_of_the_file_lifts_the_childs_rate_cap(ckpt):
+    h = fs.prefetch(ckpt, skip_resident=False, helper_process=True, max_rate=1e5, chunk_bytes=1 << 20)
+    time.sleep(0.2)
+    t = time.perf_counter()
+    out = fs.load_file(ckpt)                              # loader.open_sources calls warm.loading(path)
+    h.wait(timeout=30)
+    assert time.perf_counter() - t < 10                  # ~6 MB at 100 kB/s would take a minute
+    assert h.bytes_done == h.nbytes and len(out) == 6
+
+
+def test_advise_needs_no_helper(ckpt):
+    with pytest.raises(ValueError, match="helper_process"):
+        fs.prefetch(ckpt, method="advise", helper_process=True)
+
+
+def test_the_child_reports_a_truncated_file_as_a_format_error(ckpt):
+    size = os.path.getsize(ckpt)
+    spec = {"paths": [ckpt], "sizes": [size], "threads": 1, "priority": "normal", "step": 1 << 20,
+            "fast_step": 1 << 20, "max_rate": None, "report_bytes": 1,
+            "pieces": [[0, 0, 4096], [0, size - 100, 4096]]}   # the second runs past the end
+    r, w = os.pipe()                      # stdin stays open while it works (EOF would mean: stop)
+    os.write(w, json.dumps(spec).encode() + b"\n")
+    out = io.BytesIO()
+    rc = warmchild.child_main(os.fdopen(r, "rb"), out)
+    os.close(w)                           # its control thread reads EOF and ends
+    lines = out.getvalue().splitlines()
+    assert rc == 1 and lines[0] == b"d 0"
+    err = json.loads(lines[-1][2:])
+    assert lines[-1].startswith(b"e ") and err["type"] == "FormatError" and err["rule"] == "file-truncated"
+    assert err["path"] == ckpt
+
+
+def _fake_child(tmp_path, body: str):
+    script = tmp_path / "child.py"
+    script.write_text("import sys\nsys.stdin.readline()\n" + body)
+    return [sys.executable, str(script)]
+
+
+def test_an_error_line_from_the_child_is_raised_here_with_its_type(tmp_path):
+    record = {"type": "FormatError", "rule": "file-truncated", "message": "short read", "path": "/x/y.safetensors"}
+    cmd = _fake_child(tmp_path, f"print('d 0'); print('e ' + {json.dumps(json.dumps(record))}); sys.exit(1)")
+    landed = []
+    job = warmchild.ChildJob(["/x/y.safetensors"], [10], [Piece(0, 0, 4), Piece(0, 4, 4)],
+                             lambda i, p, r: landed.append(i), 1, "idle", 4, 4, command=cmd).start()
+    with pytest.raises(FormatError) as e:
+        job.wait(timeout=30)
+    assert e.value.rule == "file-truncated" and e.value.path == "/x/y.safetensors" and landed == [0]
+
+
+def test_a_child_that_dies_is_an_error_naming_its_status(tmp_path):
+    cmd = _fake_child(tmp_path, "sys.stderr.write('boom'); sys.exit(3)")
+    job = warmchild.ChildJob(["/x"], [10], [Piece(0, 0, 4)], lambda *a: None, 1, "idle", 4, 4, command=cmd).start()
+    with pytest.raises(RuntimeError, match="status 3 after 0 of 1 pieces: boom"):
+        job.wait(timeout=30)
+
+
+def test_code_files_first_here_then_the_checkpoint_in_the_child(ckpt, tmp_path):
+    from foxhunt_stream import importtrace as itrace
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"\x01" * 50_000)
+    trace = tmp_path / "imports.txt"
+    trace.write_text(itrace.TRACE_HEADER + "\n" + str(lib) + "\n")
+    h = fs.prefetch(ckpt, skip_resident=False, helper_process=True, imports=trace)
+    h.wait_imports(timeout=30)
+    assert h.module_bytes == 50_000
+    h.wait(timeout=60)
+    assert h.bytes_done == h.nbytes and h._job._proc.returncode == 0

@@ -5,13 +5,16 @@
 # every step? Runs (1); 2tx twice (the weights read by a helper process: no GIL shared);
 # 2tw with 1 GiB pieces and steps (the readers take the GIL back ~once per 0.7 s instead of once
 # per 8 MiB); 2tw as it is. Prints the phases and writes a plot.
+#   CKPT (default /root/startup_ckpt, built if missing), BENCH_ARGS (e.g. "--device cpu --tiny --layers 2"
+#   for a dry run on a box without a GPU)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-common=(--no-hot --cold --repeat 1 --timeout 80)
-python3 benchmarks/startup_bench.py /root/startup_ckpt --variants 1,2tx,2tx "${common[@]}" --json "$OUT/cold_1_2tx.json" 2>&1 \
+CKPT=${CKPT:-/root/startup_ckpt}
+common=(--no-hot --cold --repeat 1 --timeout 80 ${BENCH_ARGS:-})
+python3 benchmarks/startup_bench.py "$CKPT" --variants 1,2tx,2tx "${common[@]}" --json "$OUT/cold_1_2tx.json" 2>&1 \
   | grep -E "^\[|created|recorded|\[cold\]"
-python3 benchmarks/startup_bench.py /root/startup_ckpt --variants 2tw "${common[@]}" --prefetch-step $((1 << 30)) \
+python3 benchmarks/startup_bench.py "$CKPT" --variants 2tw "${common[@]}" --prefetch-step $((1 << 30)) \
   --prefetch-options "chunk_bytes=$((1 << 30)), staging_bytes=$((1 << 30))" --json "$OUT/cold_2tw_1GiB.json" 2>&1 | grep -E "^\[|\[cold\]"
-python3 benchmarks/startup_bench.py /root/startup_ckpt --variants 2tw "${common[@]}" --json "$OUT/cold_2tw.json" 2>&1 | grep -E "^\[|\[cold\]"
+python3 benchmarks/startup_bench.py "$CKPT" --variants 2tw "${common[@]}" --json "$OUT/cold_2tw.json" 2>&1 | grep -E "^\[|\[cold\]"
 python3 benchmarks/plot_startup_phases.py "$OUT/cold_next.png" "$OUT"/cold_*.json --variants 1,2tw,2tx

@@ -29,16 +29,18 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from . import settings as _settings
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
 from .pipeline import Cancelled, Job
-from .warmchild import ChildJob
 from .source import FileSource, open_source, resident_fraction, sendfile_to_null
 from .importtrace import _quiet, _quietly, code_files, module_files, warm_metadata, watch_opens  # noqa: F401
+
+if TYPE_CHECKING:
+    from .warmchild import ChildJob
 
 log = logging.getLogger("foxhunt_stream")
 
@@ -220,7 +222,9 @@ class PrefetchHandle:
         self._closer = weakref.finalize(self, _close_sources, sources)
         self.started = time.perf_counter()
         self.finished: float | None = None
+        self._helper = helper_process
         if helper_process:   # the checkpoint's reads in a child process: none of them takes our GIL
+            from .warmchild import ChildJob   # (subprocess and tempfile: imported only when asked for)
             paced = priority == "idle" or max_rate is not None
             self._job: Job | ChildJob = ChildJob(
                 ck.paths, [h.file_size for h in ck.headers], pieces, self._on_done, threads, priority,
@@ -428,7 +432,7 @@ class PrefetchHandle:
         the files began)."""
         self._loading = True
         self._pacer.release()
-        if isinstance(self._job, ChildJob):
+        if self._helper:
             self._job.fast()
 
     def cancel(self) -> None:

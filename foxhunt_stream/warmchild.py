@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import threading
 from typing import Any, Callable, Sequence
 
@@ -58,7 +56,7 @@ class ChildJob:
                       "pieces": [[p.file, p.offset, p.length] for p in pieces]}
         self._on_done = on_done
         self._command = list(command) if command else [sys.executable, "-m", "foxhunt_stream.warmchild"]
-        self._proc: subprocess.Popen | None = None
+        self._proc = None   # subprocess.Popen, from start()
         self._monitor: threading.Thread | None = None
         self._lock = threading.Lock()
         self._cancel = threading.Event()
@@ -72,6 +70,8 @@ class ChildJob:
         if self._done.is_set() or self._cancel.is_set():
             self._done.set()
             return self
+        import subprocess
+        import tempfile
         try:
             self._stderr = tempfile.TemporaryFile()
             self._proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -27,10 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchutil import drop_caches  # noqa: E402
+from import_interference import IMPORT  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-IMPORT = ("import time; t=time.perf_counter(); import torch; a=time.perf_counter(); import transformers; "
-          "from transformers import LlamaForCausalLM; b=time.perf_counter(); print(f'{a-t:.3f} {b-a:.3f}')")
 RECORD = ("import sys; sys.path.insert(0, {repo!r}); from foxhunt_stream import importtrace as it; it.watch_opens(); "
           "import torch, transformers; from transformers import LlamaForCausalLM; "
           "print(it.record_imports({trace!r}))")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 import time
 import warnings
@@ -182,7 +181,7 @@ def _reopen_if_replaced(fn):
 def held_workers(threads: int, cpus: int | None = None) -> int:
     """Workers to hold back while the allocating thread runs: enough to leave two CPUs free."""
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = _settings.available_cpus()
     return max(0, min(threads - 1, threads + 2 - cpus))
 
 

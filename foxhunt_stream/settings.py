@@ -27,9 +27,13 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity, where the platform says)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _default_threads() -> int:
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(16, n))
+    return max(1, min(16, available_cpus()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,7 +140,7 @@ def fix_rotary(model, dev):
 
 
 def child_program(variant: str, directory: str, device: str, trace: str = DEFAULT_TRACE,
-                  rate: float = DEFAULT_RATE, tune: str = "", step: int | None = None) -> str:
+                  rate: float = DEFAULT_RATE, tune: str = "", step: int | None = None, warm_set: str = "") -> str:
     """The ``python -c`` program of one variant. Stamps are time.time() (comparable with the
     parent's spawn time); the last line printed is ``RESULT {json}``."""
     cuda = device.startswith("cuda")
@@ -158,6 +158,8 @@ T["prefetch_started"] = time.time()
                 "2tx": ", helper_process=True"}.get(variant, "")
         prio += f", {tune}" if tune else ""
         pace = f"import foxhunt_stream.warm; foxhunt_stream.warm.PACED_BYTES = {int(step)}\n" if step else ""
+        pace += "".join(f"import foxhunt_stream.warm; foxhunt_stream.warm.{a.strip()}\n"
+                        for a in warm_set.split(";") if a.strip())
         pre = f"""
 import foxhunt_stream as fs
 {pace}PF = fs.prefetch({directory!r}, imports={trace!r}{prio})
@@ -165,10 +167,14 @@ T["prefetch_started"] = time.time()
 """ + ("""PF.wait_imports()
 T["code_warmed"] = time.time()
 """ if variant in ("2tw", "2tx") else "")
+    sample = os.environ.get("STALL_SAMPLE_DIR")   # --stall-sample: where the main thread waits
+    sampler = (f"import benchmarks.stall_sampler as _ss; "
+               f"_ss.start({os.path.join(sample, '')!r} + {variant!r} + '_%d.json' % time.time_ns())\n"
+               if sample else "")
     head = f"""
 import time
 T = {{"start": time.time()}}
-NOTES = []
+{sampler}NOTES = []
 {pre}
 import json, sys
 import torch
@@ -298,10 +304,10 @@ def warm_cache(files: list[str]) -> None:
 
 
 def run_variant(variant: str, directory: str, device: str, timeout: float, trace: str = DEFAULT_TRACE,
-                rate: float = DEFAULT_RATE, tune: str = "", step: int | None = None) -> dict:
+                rate: float = DEFAULT_RATE, tune: str = "", step: int | None = None, warm_set: str = "") -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    code = child_program(variant, directory, device, trace, rate, tune, step)
+    code = child_program(variant, directory, device, trace, rate, tune, step, warm_set)
     spawn = time.time()
     try:
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
@@ -487,7 +493,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="more keyword arguments for the 2t variants' fs.prefetch, e.g. 'threads=4'")
     ap.add_argument("--prefetch-step", type=int, default=None,
                     help="bytes per call of the idle / paced prefetch readers (warm.PACED_BYTES, default 4 MiB)")
+    ap.add_argument("--prefetch-set", default="",
+                    help="';'-separated foxhunt_stream.warm settings for the 2t variants, "
+                         "e.g. \"IDLE_READ='pread'; PACED_BYTES=1<<20\"")
+    ap.add_argument("--stall-sample", metavar="DIR",
+                    help="each child samples its main thread's waits (benchmarks/stall_sampler.py) into DIR")
     args = ap.parse_args(argv)
+    if args.stall_sample:
+        os.makedirs(args.stall_sample, exist_ok=True)
+        os.environ["STALL_SAMPLE_DIR"] = os.path.abspath(args.stall_sample)
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS]
@@ -529,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     drop_caches()
                 r = run_variant(v, directory, args.device, args.timeout, args.imports_trace, args.prefetch_rate,
-                                args.prefetch_options, args.prefetch_step)
+                                args.prefetch_options, args.prefetch_step, args.prefetch_set)
                 r.update(variant=v, mode=mode, repeat=rep)
                 runs.append(r)
                 status = f"{r['total_s']:.2f} s" if "total_s" in r else "FAILED: " + r["error"].splitlines()[-1][:200]

@@ -184,17 +184,18 @@ class FileSource:
             got += n
         self._count(want)
 
-    def warm(self, offset: int, length: int, scratch: np.ndarray) -> None:
+    def warm(self, offset: int, length: int, scratch: np.ndarray, copy: bool = False) -> None:
         """Make ``[offset, offset+length)`` resident in the page cache (a prefetch): through
-        ``sendfile_to_null`` where it works, else read into ``scratch`` piece by piece. A
-        truncated file is FormatError "file-truncated", as for reads; the fault hook applies."""
+        ``sendfile_to_null`` where it works, else (or with ``copy``) read into ``scratch`` piece by
+        piece. A truncated file is FormatError "file-truncated", as for reads; the fault hook
+        applies."""
         limit = length
         if fault_hook is not None:
             r = self._inject(offset, length)
             if r is not None:
                 limit = r
         try:
-            got = sendfile_to_null(self.fd, offset, limit) or 0
+            got = 0 if copy else (sendfile_to_null(self.fd, offset, limit) or 0)
             if got < limit:   # no sendfile here, or it stopped part way: read the rest
                 while got < limit:
                     view = memoryview(scratch[:min(scratch.nbytes, limit - got)]).cast("B")

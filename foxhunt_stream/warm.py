@@ -51,6 +51,11 @@ METHODS = ("read", "advise")
 PRIORITIES = ("idle", "normal")
 DEFAULT_THREADS = 8    # readers when the caller names none (at most the loader's thread count)
 IDLE_THREADS = 2       # ... with priority="idle": a shallow queue in front of the imports' reads
+# How idle readers warm: "sendfile" (no copy; the kernel's readahead behind it keeps up to twice
+# read_ahead_kb queued on the disk per reader, whatever the step), or "pread" through a buffer of
+# one step with the files advised POSIX_FADV_RANDOM (no readahead: each reader has exactly one
+# step queued). Once a load begins (unthrottle), sendfile and normal readahead again.
+IDLE_READ = "sendfile"
 CODE_THREADS = 8       # readers of the code files (modules=, imports=): what the imports wait for
 SMALL_FILE = 16 << 20  # code files below this are judged by a sample (sample_resident), not one by one
 RESIDENT_SAMPLE = 32
@@ -223,12 +228,15 @@ class PrefetchHandle:
         self.started = time.perf_counter()
         self.finished: float | None = None
         self._helper = helper_process
+        self._shallow = priority == "idle" and IDLE_READ == "pread" and method == "read"
+        if self._shallow and not helper_process:
+            _advise_all(sources, "POSIX_FADV_RANDOM")
         if helper_process:   # the checkpoint's reads in a child process: none of them takes our GIL
             from .warmchild import ChildJob   # (subprocess and tempfile: imported only when asked for)
             paced = priority == "idle" or max_rate is not None
             self._job: Job | ChildJob = ChildJob(
                 ck.paths, [h.file_size for h in ck.headers], pieces, self._on_done, threads, priority,
-                PACED_BYTES if paced else WARM_BYTES, WARM_BYTES, max_rate)
+                PACED_BYTES if paced else WARM_BYTES, WARM_BYTES, max_rate, shallow=self._shallow)
         else:
             self._job = Job(pieces, self._work, threads, self._on_done, name="foxhunt-prefetch",
                             setup=self._setup)
@@ -292,7 +300,8 @@ class PrefetchHandle:
         if self.priority == "idle":
             set_idle_io_priority()
         if self._method == "read":
-            self._buffers[worker] = np.empty(READ_BYTES, np.uint8)
+            self._buffers[worker] = np.empty(max(READ_BYTES, PACED_BYTES) if self._shallow else READ_BYTES,
+                                             np.uint8)
 
     def _setup_code(self, worker: int) -> None:
         _quiet.on = True
@@ -312,7 +321,8 @@ class PrefetchHandle:
                 raise Cancelled("cancelled")   # not landed: on_done must not run for this piece
             n = min(self._step(), piece.end - off)
             self._pacer.take(n)
-            src.warm(off, n, self._buffers[worker])   # a short or failed read is an error
+            # a short or failed read is an error
+            src.warm(off, n, self._buffers[worker], copy=self._shallow and not self._loading)
             off += n
 
     def _advise(self, fd: int, piece: Piece) -> None:
@@ -434,6 +444,8 @@ class PrefetchHandle:
         self._pacer.release()
         if self._helper:
             self._job.fast()
+        elif self._shallow:
+            _advise_all(self._sources, "POSIX_FADV_NORMAL")
 
     def cancel(self) -> None:
         """Stop the readers and close the files: each reader finishes at most its current call
@@ -454,6 +466,15 @@ class PrefetchHandle:
         state = "done" if self.done() else "running"
         return (f"<PrefetchHandle {state}: {self._bytes_done}/{self.nbytes} bytes of {len(self.paths)} file(s), "
                 f"{self._method}>")
+
+
+def _advise_all(sources, advice: str) -> None:
+    """``posix_fadvise(advice)`` on every open source (a hint: where it is refused, nothing changes)."""
+    for src in sources.values():
+        try:
+            os.posix_fadvise(src.fd, 0, 0, getattr(os, advice))
+        except (AttributeError, OSError, ValueError):
+            pass
 
 
 def _close_sources(sources: dict[int, FileSource]) -> None:

@@ -49,10 +49,12 @@ class ChildJob:
 
     def __init__(self, paths: Sequence[str], sizes: Sequence[int], pieces: Sequence[Any],
                  on_done: Callable[[int, Any, Any], None], threads: int, priority: str, step: int,
-                 fast_step: int, max_rate: float | None = None, command: Sequence[str] | None = None) -> None:
+                 fast_step: int, max_rate: float | None = None, command: Sequence[str] | None = None,
+                 shallow: bool = False) -> None:
         self.items = pieces
         self._spec = {"paths": list(paths), "sizes": list(sizes), "threads": threads, "priority": priority,
                       "step": step, "fast_step": fast_step, "max_rate": max_rate, "report_bytes": REPORT_BYTES,
+                      "shallow": shallow,
                       "pieces": [[p.file, p.offset, p.length] for p in pieces]}
         self._on_done = on_done
         self._command = list(command) if command else [sys.executable, "-m", "foxhunt_stream.warmchild"]
@@ -157,7 +159,7 @@ def child_main(stdin=None, stdout=None) -> int:
     import numpy as np
 
     from .source import FileSource
-    from .warm import READ_BYTES, Pacer, set_idle_io_priority
+    from .warm import READ_BYTES, Pacer, _advise_all, set_idle_io_priority
 
     stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer
@@ -166,6 +168,9 @@ def child_main(stdin=None, stdout=None) -> int:
     sources = {f: FileSource(p, s) for f, (p, s) in enumerate(zip(spec["paths"], spec["sizes"]))
                if any(piece[0] == f for piece in pieces)}
     pacer = Pacer(spec.get("max_rate"))
+    shallow = bool(spec.get("shallow"))   # warm.IDLE_READ == "pread": one step queued per reader
+    if shallow:
+        _advise_all(sources, "POSIX_FADV_RANDOM")
     fast, stop = threading.Event(), threading.Event()
     out_lock = threading.Lock()
     pending: list[int] = []
@@ -176,6 +181,8 @@ def child_main(stdin=None, stdout=None) -> int:
     def control():
         for line in stdin:
             if line.strip() == b"fast":
+                if shallow:
+                    _advise_all(sources, "POSIX_FADV_NORMAL")
                 fast.set()
                 pacer.release()
         stop.set()   # the parent closed our stdin: cancelled, or gone
@@ -191,7 +198,7 @@ def child_main(stdin=None, stdout=None) -> int:
     def reader():
         if spec["priority"] == "idle":
             set_idle_io_priority()
-        scratch = np.empty(READ_BYTES, np.uint8)
+        scratch = np.empty(max(READ_BYTES, spec["step"]) if shallow else READ_BYTES, np.uint8)
         try:
             while not stop.is_set():
                 with out_lock:
@@ -210,7 +217,7 @@ def child_main(stdin=None, stdout=None) -> int:
                         return
                     n = min(spec["fast_step"] if fast.is_set() else spec["step"], end - off)
                     pacer.take(n)
-                    sources[f].warm(off, n, scratch)
+                    sources[f].warm(off, n, scratch, copy=shallow and not fast.is_set())
                     off += n
                 with out_lock:
                     pending.append(i)

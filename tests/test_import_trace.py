@@ -325,7 +325,7 @@ def test_prefetch_takes_the_gil_back_once_per_64_mib_not_per_mib(tmp_path, monke
     fs.save_file({"w": np.zeros(40 << 20, np.uint8), "v": np.zeros(100, np.uint8)}, path)
     calls = []
     real = source.FileSource.warm
-    monkeypatch.setattr(source.FileSource, "warm", lambda self, off, n, buf: (calls.append(n), real(self, off, n, buf))[1])
+    monkeypatch.setattr(source.FileSource, "warm", lambda self, off, n, buf, copy=False: (calls.append(n), real(self, off, n, buf, copy))[1])
     h = fs.prefetch(path, skip_resident=False, chunk_bytes=128 << 20, priority="normal")
     h.wait()
     assert sum(calls) == h.nbytes == os.path.getsize(path) and len(calls) == 1
@@ -339,7 +339,7 @@ def test_idle_readers_take_small_steps_until_a_load_begins(tmp_path, monkeypatch
     fs.save_file({"w": np.zeros(40 << 20, np.uint8)}, path)
     calls = []
     real = source.FileSource.warm
-    monkeypatch.setattr(source.FileSource, "warm", lambda self, off, n, buf: (calls.append(n), real(self, off, n, buf))[1])
+    monkeypatch.setattr(source.FileSource, "warm", lambda self, off, n, buf, copy=False: (calls.append(n), real(self, off, n, buf, copy))[1])
     h = fs.prefetch(path, skip_resident=False, chunk_bytes=128 << 20)
     h.wait()
     assert sum(calls) == h.nbytes and max(calls) == warm.PACED_BYTES
@@ -728,3 +728,43 @@ def test_wait_imports_without_code_files_returns_at_once(tmp_path):
     h = fs.prefetch(_checkpoint(tmp_path), skip_resident=False)
     h.wait_imports(timeout=5)
     h.wait(timeout=10)
+
+
+@pytest.mark.parametrize("helper", [False, True])
+def test_idle_pread_mode_queues_one_step_until_a_load_begins(tmp_path, monkeypatch, helper):
+    """warm.IDLE_READ = "pread": the idle readers' files are advised POSIX_FADV_RANDOM and read
+    through a buffer (no readahead, so one step queued per reader); unthrottle() advises
+    POSIX_FADV_NORMAL again. The bytes still land, in process or in the helper."""
+    from foxhunt_stream import source
+    path = str(tmp_path / "big.safetensors")
+    data = np.arange(6 << 20, dtype=np.uint8)
+    fs.save_file({"w": data}, path)
+    monkeypatch.setattr(warm, "IDLE_READ", "pread")
+    monkeypatch.setattr(warm, "PACED_BYTES", 1 << 20)
+    advised, copies = [], []
+    real_advise, real_warm = os.posix_fadvise, source.FileSource.warm
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, a: (advised.append(a), real_advise(fd, off, n, a))[1])
+    monkeypatch.setattr(source.FileSource, "warm",
+                        lambda self, off, n, buf, copy=False: (copies.append((n, copy)), real_warm(self, off, n, buf, copy))[1])
+    h = fs.prefetch(path, skip_resident=False, chunk_bytes=4 << 20, max_rate=None, helper_process=helper)
+    h.wait(timeout=60)
+    assert h.bytes_done == h.nbytes == os.path.getsize(path)
+    if not helper:   # the child's calls are in its own process
+        assert os.POSIX_FADV_RANDOM in advised and copies and all(c and n <= 1 << 20 for n, c in copies)
+    h2 = fs.prefetch(path, skip_resident=False, max_rate=1e3, helper_process=helper)   # held back: still reading
+    advised.clear()
+    h2.unthrottle()
+    h2.wait(timeout=60)
+    if not helper:
+        assert os.POSIX_FADV_NORMAL in advised
+    assert h2.bytes_done == h2.nbytes
+    np.testing.assert_array_equal(fs.load_file(path)["w"], data)
+
+
+def test_idle_pread_mode_is_off_for_normal_priority(tmp_path, monkeypatch):
+    path = str(tmp_path / "w.safetensors")
+    fs.save_file({"w": np.zeros(1 << 20, np.uint8)}, path)
+    monkeypatch.setattr(warm, "IDLE_READ", "pread")
+    assert fs.prefetch(path, names=[], priority="idle")._shallow
+    assert not fs.prefetch(path, names=[], priority="normal")._shallow
+    assert not fs.prefetch(path, names=[], priority="idle", method="advise")._shallow

@@ -22,6 +22,7 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
         hot 2t run first that records one (not counted)
     2tw 2t, but the imports start only once the trace's files are read (``PF.wait_imports()``)
     2tx 2tw with ``helper_process=True``: the weights read by a child process (no GIL shared)
+    2ty 2t with ``helper_process=True``: the imports start at once, beside the code files' reads
     2tn 2t with priority="normal": the weights read by 8 hinted readers, not 2 idle ones
     2tr 2t with max_rate=RATE (``--prefetch-rate``, default 1 GB/s) until the load starts: the disk
         is not kept saturated while the imports still read from it
@@ -54,8 +55,8 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2w", "2p", "2t", "2tw", "2tx", "2tn", "2tr", "2T", "3")
-TRACED = ("2t", "2tw", "2tx", "2tn", "2tr", "2T")
+VARIANTS = ("F", "E", "1", "2", "2w", "2p", "2t", "2tw", "2tx", "2ty", "2tn", "2tr", "2T", "3")
+TRACED = ("2t", "2tw", "2tx", "2ty", "2tn", "2tr", "2T")
 DEFAULT_RATE = 1e9
 PREFETCH_KEYS = ("prefetch_bytes", "prefetch_total", "prefetch_module_bytes", "prefetch_bytes_at_load")
 DEFAULT_TRACE = os.path.join("/tmp", "foxhunt_startup_imports.txt")
@@ -69,6 +70,7 @@ LABELS = {
     "2t": "2 + fs.prefetch(imports=trace) first",
     "2tw": "2t, imports after PF.wait_imports()",
     "2tx": "2tw, weights read by a helper process",
+    "2ty": "2t, weights read by a helper process",
     "2tn": "2t, prefetch priority normal",
     "2tr": "2t, prefetch max_rate until the load",
     "2T": "2 + prefetch of the import trace only",
@@ -155,7 +157,7 @@ T["prefetch_started"] = time.time()
 """
     elif variant in TRACED:
         prio = {"2tn": ', priority="normal"', "2T": ", names=[]", "2tr": f", max_rate={rate!r}",
-                "2tx": ", helper_process=True"}.get(variant, "")
+                "2tx": ", helper_process=True", "2ty": ", helper_process=True"}.get(variant, "")
         prio += f", {tune}" if tune else ""
         pace = f"import foxhunt_stream.warm; foxhunt_stream.warm.PACED_BYTES = {int(step)}\n" if step else ""
         pace += "".join(f"import foxhunt_stream.warm; foxhunt_stream.warm.{a.strip()}\n"

@@ -37,7 +37,8 @@ from . import settings as _settings
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
 from .pipeline import Cancelled, Job
 from .source import FileSource, open_source, resident_fraction, sendfile_to_null
-from .importtrace import _quiet, _quietly, code_files, module_files, warm_metadata, watch_opens  # noqa: F401
+from .importtrace import (_quiet, _quietly, code_files, dist_records, module_files,  # noqa: F401
+                          warm_metadata, warm_records, watch_opens)
 
 if TYPE_CHECKING:
     from .warmchild import ChildJob
@@ -52,10 +53,12 @@ PRIORITIES = ("idle", "normal")
 DEFAULT_THREADS = 8    # readers when the caller names none (at most the loader's thread count)
 IDLE_THREADS = 2       # ... with priority="idle": a shallow queue in front of the imports' reads
 # How idle readers warm: "sendfile" (no copy; the kernel's readahead behind it keeps up to twice
-# read_ahead_kb queued on the disk per reader, whatever the step), or "pread" through a buffer of
-# one step with the files advised POSIX_FADV_RANDOM (no readahead: each reader has exactly one
-# step queued). Once a load begins (unthrottle), sendfile and normal readahead again.
+# read_ahead_kb queued on the disk per reader, whatever the step); "shallow", the same with the
+# files advised POSIX_FADV_RANDOM (no readahead: each reader has about one step queued); or
+# "pread", shallow through a buffer of one step. Once a load begins (unthrottle), sendfile and
+# normal readahead again.
 IDLE_READ = "sendfile"
+IDLE_READS = ("sendfile", "shallow", "pread")   # shallow: sendfile of one step, no readahead
 CODE_THREADS = 8       # readers of the code files (modules=, imports=): what the imports wait for
 SMALL_FILE = 16 << 20  # code files below this are judged by a sample (sample_resident), not one by one
 RESIDENT_SAMPLE = 32
@@ -228,7 +231,10 @@ class PrefetchHandle:
         self.started = time.perf_counter()
         self.finished: float | None = None
         self._helper = helper_process
-        self._shallow = priority == "idle" and IDLE_READ == "pread" and method == "read"
+        if IDLE_READ not in IDLE_READS:
+            raise ValueError(f"warm.IDLE_READ must be one of {', '.join(IDLE_READS)}, got {IDLE_READ!r}")
+        self._shallow = priority == "idle" and IDLE_READ != "sendfile" and method == "read"
+        self._copy = self._shallow and IDLE_READ == "pread"
         if self._shallow and not helper_process:
             _advise_all(sources, "POSIX_FADV_RANDOM")
         if helper_process:   # the checkpoint's reads in a child process: none of them takes our GIL
@@ -236,7 +242,7 @@ class PrefetchHandle:
             paced = priority == "idle" or max_rate is not None
             self._job: Job | ChildJob = ChildJob(
                 ck.paths, [h.file_size for h in ck.headers], pieces, self._on_done, threads, priority,
-                PACED_BYTES if paced else WARM_BYTES, WARM_BYTES, max_rate, shallow=self._shallow)
+                PACED_BYTES if paced else WARM_BYTES, WARM_BYTES, max_rate, shallow=self._shallow, copy=self._copy)
         else:
             self._job = Job(pieces, self._work, threads, self._on_done, name="foxhunt-prefetch",
                             setup=self._setup)
@@ -247,6 +253,7 @@ class PrefetchHandle:
             _live.add(self)
         self._modules_thread: threading.Thread | None = None
         self._metadata_thread: threading.Thread | None = None   # warm_metadata, beside the code reads
+        self._records_thread: threading.Thread | None = None    # warm_records (in process), not waited for
         if modules_first is None:
             self._job.start()
         else:   # discovery takes ~0.1-0.3 s: the caller's imports start meanwhile
@@ -270,6 +277,16 @@ class PrefetchHandle:
                         target=_quietly, args=(warm_metadata, [p for p, _ in files], dirs, self._job.cancelled),
                         name="foxhunt-prefetch-metadata", daemon=True)
                     self._metadata_thread.start()
+                records = dist_records([p for p, _ in files])
+                if records and not self._job.cancelled():
+                    # the imports stat these later (importlib.metadata): beside them, not before
+                    if self._helper:
+                        self._job.records = records   # no GIL of ours taken by ~10^4-10^5 stats
+                    else:
+                        self._records_thread = threading.Thread(
+                            target=_quietly, args=(warm_records, records, self._job.cancelled),
+                            name="foxhunt-prefetch-records", daemon=True)
+                        self._records_thread.start()
                 if skip_resident:   # big libraries already in memory (a hot start): nothing to read
                     files = [(p, r) for p, r in files
                              if r[-1][1] < SMALL_FILE or resident_fraction(p, samples=64) < 1.0]
@@ -300,7 +317,7 @@ class PrefetchHandle:
         if self.priority == "idle":
             set_idle_io_priority()
         if self._method == "read":
-            self._buffers[worker] = np.empty(max(READ_BYTES, PACED_BYTES) if self._shallow else READ_BYTES,
+            self._buffers[worker] = np.empty(max(READ_BYTES, PACED_BYTES) if self._copy else READ_BYTES,
                                              np.uint8)
 
     def _setup_code(self, worker: int) -> None:
@@ -322,7 +339,7 @@ class PrefetchHandle:
             n = min(self._step(), piece.end - off)
             self._pacer.take(n)
             # a short or failed read is an error
-            src.warm(off, n, self._buffers[worker], copy=self._shallow and not self._loading)
+            src.warm(off, n, self._buffers[worker], copy=self._copy and not self._loading)
             off += n
 
     def _advise(self, fd: int, piece: Piece) -> None:
@@ -458,8 +475,9 @@ class PrefetchHandle:
             pass
         if self._modules_thread is not None:   # its readers stop after their current piece
             self._modules_thread.join()
-        if self._metadata_thread is not None:   # started by the modules thread: joined after it
-            self._metadata_thread.join()
+        for t in (self._metadata_thread, self._records_thread):   # started by the modules thread
+            if t is not None:
+                t.join()
         self._closer()
 
     def __repr__(self) -> str:

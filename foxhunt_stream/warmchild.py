@@ -50,11 +50,11 @@ class ChildJob:
     def __init__(self, paths: Sequence[str], sizes: Sequence[int], pieces: Sequence[Any],
                  on_done: Callable[[int, Any, Any], None], threads: int, priority: str, step: int,
                  fast_step: int, max_rate: float | None = None, command: Sequence[str] | None = None,
-                 shallow: bool = False) -> None:
+                 shallow: bool = False, copy: bool = False) -> None:
         self.items = pieces
         self._spec = {"paths": list(paths), "sizes": list(sizes), "threads": threads, "priority": priority,
                       "step": step, "fast_step": fast_step, "max_rate": max_rate, "report_bytes": REPORT_BYTES,
-                      "shallow": shallow,
+                      "shallow": shallow, "copy": copy,
                       "pieces": [[p.file, p.offset, p.length] for p in pieces]}
         self._on_done = on_done
         self._command = list(command) if command else [sys.executable, "-m", "foxhunt_stream.warmchild"]
@@ -64,6 +64,7 @@ class ChildJob:
         self._cancel = threading.Event()
         self._done = threading.Event()
         self._fast = False
+        self.records: list[str] = []   # RECORD files whose listed files the child stats (set before start)
         self.error: BaseException | None = None
         if not pieces:
             self._done.set()
@@ -79,7 +80,7 @@ class ChildJob:
             self._proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           stderr=self._stderr, close_fds=True)
             with self._lock:
-                self._proc.stdin.write(json.dumps(self._spec).encode() + b"\n")
+                self._proc.stdin.write(json.dumps({**self._spec, "records": self.records}).encode() + b"\n")
                 if self._fast:
                     self._proc.stdin.write(b"fast\n")
                 self._proc.stdin.flush()
@@ -159,6 +160,7 @@ def child_main(stdin=None, stdout=None) -> int:
     import numpy as np
 
     from .source import FileSource
+    from .importtrace import warm_records
     from .warm import READ_BYTES, Pacer, _advise_all, set_idle_io_priority
 
     stdin = stdin or sys.stdin.buffer
@@ -168,7 +170,8 @@ def child_main(stdin=None, stdout=None) -> int:
     sources = {f: FileSource(p, s) for f, (p, s) in enumerate(zip(spec["paths"], spec["sizes"]))
                if any(piece[0] == f for piece in pieces)}
     pacer = Pacer(spec.get("max_rate"))
-    shallow = bool(spec.get("shallow"))   # warm.IDLE_READ == "pread": one step queued per reader
+    shallow = bool(spec.get("shallow"))   # warm.IDLE_READ shallow or pread: one step queued per reader
+    copy = bool(spec.get("copy"))         # ... pread: through the scratch buffer
     if shallow:
         _advise_all(sources, "POSIX_FADV_RANDOM")
     fast, stop = threading.Event(), threading.Event()
@@ -198,7 +201,7 @@ def child_main(stdin=None, stdout=None) -> int:
     def reader():
         if spec["priority"] == "idle":
             set_idle_io_priority()
-        scratch = np.empty(max(READ_BYTES, spec["step"]) if shallow else READ_BYTES, np.uint8)
+        scratch = np.empty(max(READ_BYTES, spec["step"]) if copy else READ_BYTES, np.uint8)
         try:
             while not stop.is_set():
                 with out_lock:
@@ -217,7 +220,7 @@ def child_main(stdin=None, stdout=None) -> int:
                         return
                     n = min(spec["fast_step"] if fast.is_set() else spec["step"], end - off)
                     pacer.take(n)
-                    sources[f].warm(off, n, scratch, copy=shallow and not fast.is_set())
+                    sources[f].warm(off, n, scratch, copy=copy and not fast.is_set())
                     off += n
                 with out_lock:
                     pending.append(i)
@@ -229,6 +232,8 @@ def child_main(stdin=None, stdout=None) -> int:
 
     threading.Thread(target=control, daemon=True).start()
     threads = [threading.Thread(target=reader) for _ in range(max(1, spec["threads"]))]
+    if spec.get("records"):   # beside the readers: the importer stats these within seconds
+        threads.append(threading.Thread(target=warm_records, args=(spec["records"], stop.is_set)))
     for t in threads:
         t.start()
     for t in threads:

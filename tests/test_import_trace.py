@@ -768,3 +768,59 @@ def test_idle_pread_mode_is_off_for_normal_priority(tmp_path, monkeypatch):
     assert fs.prefetch(path, names=[], priority="idle")._shallow
     assert not fs.prefetch(path, names=[], priority="normal")._shallow
     assert not fs.prefetch(path, names=[], priority="idle", method="advise")._shallow
+
+
+# ---------------------------------------------------------------- what importlib.metadata stats (RECORD files)
+
+def test_record_paths_are_made_absolute_against_the_dist_infos_parent():
+    rec = "/sp/foo-1.0.dist-info/RECORD"
+    text = 'foo/__init__.py,sha256=x,10\n"foo/a,b.py",,\n../../bin/foo,,\nfoo-1.0.dist-info/RECORD,,\n\n'
+    assert itrace.record_paths(rec, text) == ["/sp/foo/__init__.py", "/sp/foo/a,b.py", "/bin/foo",
+                                              "/sp/foo-1.0.dist-info/RECORD"]
+    assert itrace.dist_records(["/sp/foo-1.0.dist-info/RECORD", "/sp/foo/RECORD", "/sp/x.dist-info/METADATA"]) \
+        == ["/sp/foo-1.0.dist-info/RECORD"]
+
+
+def _fake_site(tmp_path, n=40):
+    site = tmp_path / "site"
+    (site / "pkg").mkdir(parents=True)
+    (site / "pkg-1.0.dist-info").mkdir()
+    names = [f"pkg/m{i}.py" for i in range(n)]
+    for name in names:
+        (site / name).write_text("x = 1\n")
+    record = site / "pkg-1.0.dist-info" / "RECORD"
+    record.write_text("".join(f"{name},sha256=abc,6\n" for name in names) + "pkg/gone.py,,\n")
+    return str(record), sorted(str(site / name) for name in names)
+
+
+def test_warm_records_stats_every_listed_file(tmp_path, monkeypatch):
+    record, files = _fake_site(tmp_path)
+    seen = []
+    real = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: (seen.append(os.fspath(p)), real(p, *a, **k))[1])
+    assert itrace.warm_records([record, str(tmp_path / "missing" / "RECORD")], threads=3) == len(files) + 1
+    assert set(files) <= set(seen) and str(tmp_path / "site" / "pkg" / "gone.py") in seen
+    assert itrace.warm_records([record], stop=lambda: True) <= 3   # cancelled: each thread stops at once
+
+
+@pytest.mark.parametrize("helper", [False, True])
+def test_a_traced_record_is_warmed_beside_the_checkpoint(tmp_path, monkeypatch, helper):
+    """A trace that read a distribution's RECORD (importlib.metadata did) gets the files it lists
+    stat'ed by the prefetch: on its own thread here, or by the helper process."""
+    record, files = _fake_site(tmp_path)
+    trace = tmp_path / "trace.txt"
+    trace.write_text(format_trace([record], {}))
+    ck = str(tmp_path / "w.safetensors")
+    fs.save_file({"w": np.zeros(1 << 16, np.uint8)}, ck)
+    seen = []
+    real = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: (seen.append(os.fspath(p)), real(p, *a, **k))[1])
+    h = fs.prefetch(ck, imports=str(trace), skip_resident=False, helper_process=helper)
+    h.wait_imports(timeout=30)
+    h.wait(timeout=60)
+    if helper:
+        assert h._job.records == [record] and h._records_thread is None
+    else:
+        h._records_thread.join(10)
+        assert set(files) <= set(seen)
+    h.cancel()

@@ -125,3 +125,28 @@ def test_code_files_first_here_then_the_checkpoint_in_the_child(ckpt, tmp_path):
     assert h.module_bytes == 50_000
     h.wait(timeout=60)
     assert h.bytes_done == h.nbytes and h._job._proc.returncode == 0
+
+
+def test_the_child_stats_the_files_of_the_records_it_is_given(ckpt, tmp_path, monkeypatch):
+    """spec["records"] (importlib.metadata RECORDs from the import trace): the child stats every
+    file they list beside its readers, and still reads and reports its pieces."""
+    site = tmp_path / "site"
+    (site / "p-1.dist-info").mkdir(parents=True)
+    (site / "p").mkdir()
+    for i in range(5):
+        (site / "p" / f"m{i}.py").write_text("")
+    record = site / "p-1.dist-info" / "RECORD"
+    record.write_text("".join(f"p/m{i}.py,,\n" for i in range(5)))
+    seen = []
+    real = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: (seen.append(os.fspath(p)), real(p, *a, **k))[1])
+    spec = {"paths": [ckpt], "sizes": [os.path.getsize(ckpt)], "threads": 1, "priority": "idle", "step": 1 << 20,
+            "fast_step": 1 << 20, "max_rate": None, "report_bytes": 1, "shallow": True, "copy": False,
+            "pieces": [[0, 0, 4096]], "records": [str(record)]}
+    r, w = os.pipe()
+    os.write(w, json.dumps(spec).encode() + b"\n")
+    out = io.BytesIO()
+    rc = warmchild.child_main(os.fdopen(r, "rb"), out)
+    os.close(w)
+    assert rc == 0 and out.getvalue().splitlines() == [b"d 0"]
+    assert {str(site / "p" / f"m{i}.py") for i in range(5)} <= set(seen)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -47,17 +48,19 @@ log = logging.getLogger("foxhunt_stream")
 
 READ_BYTES = 1 << 20   # the reusable buffer per reader thread (where sendfile cannot warm the cache)
 WARM_BYTES = 64 << 20  # bytes per sendfile call: the GIL is taken back once per this many bytes
-PACED_BYTES = 4 << 20  # ... for idle readers, or while max_rate holds them back (see _step)
+PACED_BYTES = 4 << 20  # ... for idle readers in this process, or while max_rate holds them back (see _step)
+IDLE_STEP = 1 << 20    # ... for idle readers in the helper process (no GIL of ours to take back)
 METHODS = ("read", "advise")
 PRIORITIES = ("idle", "normal")
 DEFAULT_THREADS = 8    # readers when the caller names none (at most the loader's thread count)
-IDLE_THREADS = 2       # ... with priority="idle": a shallow queue in front of the imports' reads
+IDLE_THREADS = 8       # ... with priority="idle", in the helper process: 8 x 1 MiB queued at most
+IDLE_THREADS_IN_PROCESS = 2   # ... in this process (helper_process=False): each takes our GIL back per step
 # How idle readers warm: "sendfile" (no copy; the kernel's readahead behind it keeps up to twice
 # read_ahead_kb queued on the disk per reader, whatever the step); "shallow", the same with the
 # files advised POSIX_FADV_RANDOM (no readahead: each reader has about one step queued); or
 # "pread", shallow through a buffer of one step. Once a load begins (unthrottle), sendfile and
 # normal readahead again.
-IDLE_READ = "sendfile"
+IDLE_READ = "shallow"   # H200, cold: 2tx 15.8-16.2 s against 19.1-19.7 s with "sendfile" (RESULTS, session 6)
 IDLE_READS = ("sendfile", "shallow", "pread")   # shallow: sendfile of one step, no readahead
 CODE_THREADS = 8       # readers of the code files (modules=, imports=): what the imports wait for
 SMALL_FILE = 16 << 20  # code files below this are judged by a sample (sample_resident), not one by one
@@ -239,10 +242,9 @@ class PrefetchHandle:
             _advise_all(sources, "POSIX_FADV_RANDOM")
         if helper_process:   # the checkpoint's reads in a child process: none of them takes our GIL
             from .warmchild import ChildJob   # (subprocess and tempfile: imported only when asked for)
-            paced = priority == "idle" or max_rate is not None
             self._job: Job | ChildJob = ChildJob(
                 ck.paths, [h.file_size for h in ck.headers], pieces, self._on_done, threads, priority,
-                PACED_BYTES if paced else WARM_BYTES, WARM_BYTES, max_rate, shallow=self._shallow, copy=self._copy)
+                self._step(), WARM_BYTES, max_rate, shallow=self._shallow, copy=self._copy)
         else:
             self._job = Job(pieces, self._work, threads, self._on_done, name="foxhunt-prefetch",
                             setup=self._setup)
@@ -317,7 +319,7 @@ class PrefetchHandle:
         if self.priority == "idle":
             set_idle_io_priority()
         if self._method == "read":
-            self._buffers[worker] = np.empty(max(READ_BYTES, PACED_BYTES) if self._copy else READ_BYTES,
+            self._buffers[worker] = np.empty(max(READ_BYTES, self._step()) if self._copy else READ_BYTES,
                                              np.uint8)
 
     def _setup_code(self, worker: int) -> None:
@@ -452,7 +454,7 @@ class PrefetchHandle:
         9.5 s with 4 MiB steps). Once a load of the files began, big steps."""
         if self._loading or (self.priority != "idle" and self._pacer.released):
             return WARM_BYTES
-        return PACED_BYTES
+        return IDLE_STEP if self._helper and self._shallow else PACED_BYTES
 
     def unthrottle(self) -> None:
         """Drop ``max_rate`` and the idle pace: read the rest as fast as the disk goes (a load of
@@ -502,7 +504,7 @@ def _close_sources(sources: dict[int, FileSource]) -> None:
 
 def prefetch(source, names: Names = None, *, method: str = "read", skip_resident: bool = True,
              priority: str = "idle", modules: Sequence[str] = (), imports: str | os.PathLike | None = None,
-             max_rate: float | None = None, helper_process: bool = False, **options) -> PrefetchHandle:
+             max_rate: float | None = None, helper_process: bool | None = None, **options) -> PrefetchHandle:
     """Start warming the page cache with a checkpoint's bytes; returns at once with a handle.
 
     ``source`` and ``names`` are as in ``load_file`` (``names=None``: whole files). ``method``:
@@ -510,10 +512,13 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     (``posix_fadvise(WILLNEED)`` only: no copies, but the kernel may still be reading after
     done()). Files already fully resident are skipped (``skip_resident``). Options as for the
     loader: ``threads`` (readers; default the loader's count, at most 8), ``chunk_bytes`` (the
-    piece each reader hints and reads at a time). ``priority``: ``"idle"`` (the readers' I/O in the
-    idle class, see ``set_idle_io_priority``, at most 2 of them by default, warming 4 MiB per call
-    without a WILLNEED hint for the whole piece: little queued ahead of the imports' reads, until
-    a load of the files begins) or ``"normal"`` (8 readers, hinted, 64 MiB per call).
+    piece each reader hints and reads at a time). ``priority``: ``"idle"`` (the startup case: the
+    readers' I/O in the idle class, see ``set_idle_io_priority``; their files advised
+    ``POSIX_FADV_RANDOM`` so the kernel reads no further ahead than each call, ``IDLE_READ``; 8
+    readers of 1 MiB per call in the helper process, or 2 of 4 MiB here: at most ~8 MiB queued on
+    the disk ahead of an import's read - it waited 0.2-0.3 ms there on the H200 machine, against
+    6-8 ms behind readahead - until a load of the files begins) or ``"normal"`` (8 readers, hinted,
+    64 MiB per call: fill the cache as fast as the disk goes).
     ``modules``: top-level packages the process is about to import (``("torch", "nvidia",
     "transformers")``), whose libraries and bytecode are read first (``module_files``): on a cold
     start the imports then find them in memory instead of waiting behind the checkpoint's reads.
@@ -526,10 +531,13 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     ``max_rate``: at most this many bytes per second of the checkpoint (not of the code files),
     until a load of its files starts (``loading``) or ``unthrottle()``: a disk kept busy makes
     every read the imports still do wait behind the prefetch's queue.
-    ``helper_process=True``: the checkpoint's bytes are read by a child process
+    ``helper_process``: the checkpoint's bytes are read by a child process
     (``python -m foxhunt_stream.warmchild``, same readers, steps and pacing) instead of threads
     of this one, so its reads never take this process's GIL from the imports running meanwhile;
-    the code files (``imports=``, ``modules=``) are still read here first.
+    the code files (``imports=``, ``modules=``) are still read here first. Default (None): yes
+    for ``priority="idle"`` with ``method="read"``, no otherwise. The distributions' ``RECORD``
+    files in an ``imports=`` trace have the files they list stat'ed beside the imports
+    (``importtrace.warm_records``: ``importlib.metadata`` stats them), there or on a thread here.
     Needs neither torch nor cupy; call it before importing them.
     """
     if method not in METHODS:
@@ -539,10 +547,12 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     Pacer(max_rate)   # a bad max_rate fails here, before any file is opened
     if helper_process and method != "read":
         raise ValueError("helper_process=True reads the pieces (method='read'); 'advise' needs no helper")
+    if helper_process is None:   # the startup case: keep ~10^3 reads a second off this process's GIL
+        helper_process = priority == "idle" and method == "read" and bool(sys.executable)
     s = _settings.merge(**options)
     # A disk streams sequentially with a few readers (each has a whole piece in flight); more
     # would only compete with the imports running meanwhile for the same disk and cores.
-    default = IDLE_THREADS if priority == "idle" else DEFAULT_THREADS
+    default = (IDLE_THREADS if helper_process else IDLE_THREADS_IN_PROCESS) if priority == "idle" else DEFAULT_THREADS
     threads = s.threads if options.get("threads") else min(default, s.threads)
     ck = open_checkpoint(source)
     chosen = select(ck, names)

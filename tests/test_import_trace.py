@@ -173,7 +173,7 @@ def test_prefetch_reads_the_trace_in_order_then_the_checkpoint(tmp_path, monkeyp
     monkeypatch.setattr(warm.PrefetchHandle, "_work", work)
     monkeypatch.setattr(warm.PrefetchHandle, "_read_module_file", code)
     monkeypatch.setattr(warm, "CODE_THREADS", 1)   # one reader: the order is the trace's
-    h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, imports=trace)
+    h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, imports=trace, helper_process=False)
     h.wait()
     assert order[:5] == [files[0]] * 3 + [files[1], files[2]]   # 20 000 bytes = three 8 KiB pieces
     assert set(order[5:]) == {"checkpoint"}
@@ -265,11 +265,12 @@ def test_code_files_are_hinted_at_normal_priority_while_the_checkpoint_idles(tmp
         return real_code(self, worker, piece)
 
     def advise(fd, offset, length, advice):
-        hinted.append(os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else "?")
+        if advice == os.POSIX_FADV_WILLNEED:   # (the idle readers advise RANDOM: no readahead)
+            hinted.append(os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else "?")
         return real_advise(fd, offset, length, advice)
     monkeypatch.setattr(warm.PrefetchHandle, "_read_module_file", code)
     monkeypatch.setattr(os, "posix_fadvise", advise)
-    h = fs.prefetch(path, skip_resident=False, imports=trace)   # priority="idle" by default
+    h = fs.prefetch(path, skip_resident=False, imports=trace, helper_process=False)   # priority="idle" by default
     h.wait()
     assert h.priority == "idle" and idle_threads and code_threads and not idle_threads & code_threads
     assert hinted and set(hinted) <= {str(lib), "?"}   # the checkpoint's idle reads are not hinted
@@ -340,12 +341,12 @@ def test_idle_readers_take_small_steps_until_a_load_begins(tmp_path, monkeypatch
     calls = []
     real = source.FileSource.warm
     monkeypatch.setattr(source.FileSource, "warm", lambda self, off, n, buf, copy=False: (calls.append(n), real(self, off, n, buf, copy))[1])
-    h = fs.prefetch(path, skip_resident=False, chunk_bytes=128 << 20)
+    h = fs.prefetch(path, skip_resident=False, chunk_bytes=128 << 20, helper_process=False)
     h.wait()
     assert sum(calls) == h.nbytes and max(calls) == warm.PACED_BYTES
     steps = {}
     for prio, rate in (("idle", None), ("normal", None), ("normal", 1e9)):
-        h = fs.prefetch(path, names=[], priority=prio, max_rate=rate)
+        h = fs.prefetch(path, names=[], priority=prio, max_rate=rate, helper_process=False)
         before = h._step()
         h.unthrottle()   # what loading(path) does when a load opens the file
         steps[prio, rate] = (before, h._step())
@@ -460,7 +461,7 @@ def test_a_paced_prefetch_reads_in_small_steps(tmp_path, monkeypatch):
     steps = []
     real = warm.Pacer.take
     monkeypatch.setattr(warm.Pacer, "take", lambda self, n: (steps.append(n), real(self, n))[1])
-    h = fs.prefetch(path, skip_resident=False, max_rate=1e12)
+    h = fs.prefetch(path, skip_resident=False, max_rate=1e12, helper_process=False)
     h.wait()
     assert sum(steps) == h.nbytes and max(steps) <= warm.PACED_BYTES
 

@@ -150,3 +150,20 @@ def test_the_child_stats_the_files_of_the_records_it_is_given(ckpt, tmp_path, mo
     os.close(w)
     assert rc == 0 and out.getvalue().splitlines() == [b"d 0"]
     assert {str(site / "p" / f"m{i}.py") for i in range(5)} <= set(seen)
+
+
+def test_an_idle_prefetch_reads_in_a_helper_by_default_and_a_normal_one_here(ckpt):
+    """The startup case (priority="idle", the default) keeps its ~10^3 small reads a second off
+    this process's GIL: 8 shallow readers of 1 MiB in the helper; priority="normal" stays here."""
+    from foxhunt_stream import warm
+    from foxhunt_stream.pipeline import Job
+    idle = fs.prefetch(ckpt, skip_resident=False)
+    idle.wait(timeout=60)
+    assert isinstance(idle._job, warmchild.ChildJob) and idle._job._proc.returncode == 0
+    assert idle._job._spec["threads"] == min(warm.IDLE_THREADS, fs.settings.merge().threads)
+    assert idle._job._spec["step"] == warm.IDLE_STEP and idle._job._spec["shallow"]
+    normal = fs.prefetch(ckpt, skip_resident=False, priority="normal")
+    normal.wait(timeout=60)
+    assert isinstance(normal._job, Job)
+    here = fs.prefetch(ckpt, names=[], helper_process=False)
+    assert isinstance(here._job, Job) and here._step() == warm.PACED_BYTES

@@ -412,7 +412,7 @@ def test_prefetch_reads_every_byte_of_the_files(tmp_path):
     path, _ = _checkpoint(tmp_path)
     reads = []
     source.fault_hook = _recording_hook(reads)
-    h = fs.prefetch(path, skip_resident=False, threads=2, chunk_bytes=8192)
+    h = fs.prefetch(path, skip_resident=False, threads=2, chunk_bytes=8192, helper_process=False)
     h.wait()
     size = os.path.getsize(path)
     covered = sorted((off, off + n) for _, off, n in reads)
@@ -428,7 +428,7 @@ def test_prefetch_with_names_reads_only_those(tmp_path):
     path, _ = _checkpoint(tmp_path)
     reads = []
     source.fault_hook = _recording_hook(reads)
-    h = fs.prefetch(path, names=["t1", "t4"], skip_resident=False, chunk_bytes=4096)
+    h = fs.prefetch(path, names=["t1", "t4"], skip_resident=False, chunk_bytes=4096, helper_process=False)
     h.wait("t4")
     h.wait()
     allowed = [_range_of(path, "t1"), _range_of(path, "t4")]
@@ -440,7 +440,7 @@ def test_prefetch_wait_name_blocks_only_on_that_tensor(tmp_path):
     path, _ = _checkpoint(tmp_path)
     gate, log = threading.Event(), []
     source.fault_hook = _gate_hook(path, "t5", gate, log)
-    h = fs.prefetch(path, skip_resident=False, threads=2, chunk_bytes=4096)
+    h = fs.prefetch(path, skip_resident=False, threads=2, chunk_bytes=4096, helper_process=False)
     h.wait("t0")
     h.wait("t2")
     assert not h.done()
@@ -458,7 +458,7 @@ def test_prefetch_error_propagates(tmp_path):
         if lo <= offset < hi:
             raise OSError(errno.EIO, "injected")
     source.fault_hook = hook
-    h = fs.prefetch(path, skip_resident=False, threads=2, chunk_bytes=4096)
+    h = fs.prefetch(path, skip_resident=False, threads=2, chunk_bytes=4096, helper_process=False)
     with pytest.raises(OSError, match="injected"):
         h.wait("t3")
     with pytest.raises(OSError, match="injected"):
@@ -472,7 +472,7 @@ def test_prefetch_cancel(tmp_path, monkeypatch):
     source.fault_hook = _gate_hook(path, "t1", gate, log, arrived)
     real_cancel = pipeline.Job.cancel
     monkeypatch.setattr(pipeline.Job, "cancel", lambda self: (real_cancel(self), gate.set()))
-    h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=4096)
+    h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=4096, helper_process=False)
     assert arrived.wait(20)
     h.cancel()
     assert h.done() and log == [True] and not _foxhunt_threads() and h.bytes_done < h.nbytes
@@ -586,15 +586,15 @@ def test_prefetch_readers_run_in_the_idle_io_class_by_default(tmp_path, monkeypa
         seen.append((self.priority, _io_priority_class(threading.get_native_id())))
         return real(self, worker, piece)
     monkeypatch.setattr(warm_mod.PrefetchHandle, "_work", work)
-    fs.prefetch(path, skip_resident=False, chunk_bytes=8192).wait()
-    fs.prefetch(path, skip_resident=False, chunk_bytes=8192, priority="normal").wait()
+    fs.prefetch(path, skip_resident=False, chunk_bytes=8192, helper_process=False).wait()
+    fs.prefetch(path, skip_resident=False, chunk_bytes=8192, priority="normal", helper_process=False).wait()
     idle = [c for p, c in seen if p == "idle"]
     normal = [c for p, c in seen if p == "normal"]
     assert idle and normal
     if warm_mod.set_idle_io_priority():   # where the kernel takes it, every idle reader is idle class
         assert set(idle) == {3} and 3 not in normal
     with pytest.raises(ValueError, match="priority"):
-        fs.prefetch(path, priority="low")
+        fs.prefetch(path, priority="low", helper_process=False)
 
 
 def _fake_package(tmp_path, monkeypatch):
@@ -643,7 +643,7 @@ def test_prefetch_reads_the_modules_files_before_the_checkpoint(tmp_path, monkey
         return real_code(self, worker, piece)
     monkeypatch.setattr(warm_mod.PrefetchHandle, "_work", work)
     monkeypatch.setattr(warm_mod.PrefetchHandle, "_read_module_file", code)
-    h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, modules=["fhfakepkg"])
+    h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, modules=["fhfakepkg"], helper_process=False)
     h.wait()
     n_mod = 3 + 1 + 1   # libbig.so.12 (20 000 bytes) in three 8 KiB pieces, _ext.so, the .pyc
     assert order[:n_mod] == ["module"] * n_mod and set(order[n_mod:]) == {"checkpoint"}

@@ -13,8 +13,13 @@ prefetch's pacing (``loading``).
 What decides a cold start is not the weights but the imports running meanwhile: each of their
 reads waits behind whatever the prefetch keeps queued on the disk. So the code the imports need
 is read first (``modules=`` packages, or an ``imports=`` trace of an earlier start: see
-``importtrace``), and the weights then follow in small steps (``priority="idle"``) or at a set
-rate (``max_rate``) until the load begins.
+``importtrace``), and the weights then follow (``priority="idle"``) with a shallow queue: files
+advised ``POSIX_FADV_RANDOM`` (no readahead: the kernel queues twice ``read_ahead_kb`` per reader
+otherwise, whatever the step), 1 MiB per call, read by a helper process (``warmchild``) so that
+~10^3 calls a second take none of this process's GIL; or at a set rate (``max_rate``). Either way
+until the load begins. On the H200 machine a read of the imports waited 0.1-0.3 ms behind that
+queue against ~7 ms behind readahead, and the cold start went from 0.8-0.9x transformers'
+``from_pretrained`` to 0.56-0.61x (``benchmarks/RESULTS.md``, session 6).
 
 ``warmup(device)`` pays the other first-load costs up front (cupy import, CUDA context, the pinned
 staging pool, one stream per worker) and says how long each took.

@@ -21,9 +21,10 @@ from __future__ import annotations
 import os
 import stat
 import threading
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
+if TYPE_CHECKING:   # numpy only where a trace is recorded: a prefetch replays one before numpy loads
+    import numpy as np
 
 MODULE_SUFFIXES = (".so", ".pyc", ".pyd", ".dylib")
 
@@ -137,6 +138,7 @@ def merge_ranges(ranges: Sequence[tuple[int, int]], gap: int = MERGE_GAP) -> lis
 
 def present_runs(entries: np.ndarray) -> list[tuple[int, int]]:
     """Pure: ``[i, j)`` runs of pages whose ``/proc/self/pagemap`` entry has the present bit (63)."""
+    import numpy as np
     present = np.concatenate(([False], (entries >> np.uint64(63)).astype(bool), [False]))
     edges = np.flatnonzero(present[1:] != present[:-1])
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
@@ -158,6 +160,7 @@ def mapped_libraries() -> dict[str, list[tuple[int, int]]]:
         pagemap = open("/proc/self/pagemap", "rb", buffering=0)
     except OSError:
         pagemap = None
+    import numpy as np
     with maps:
         for line in maps:
             parts = line.split(None, 5)

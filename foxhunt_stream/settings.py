@@ -9,6 +9,8 @@ import os
 import re
 from dataclasses import dataclass, fields, replace
 
+WRITE_BACKENDS = ("auto", "mmap", "pwrite")   # sink.AtomicFile's ways of writing (here: no numpy to validate)
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -60,7 +62,6 @@ class Settings:
             raise ValueError(f"staging_bytes ({self.staging_bytes}) must hold at least one chunk ({self.chunk_bytes})")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        from .sink import WRITE_BACKENDS
         if self.write_backend not in WRITE_BACKENDS:
             raise ValueError(f"write_backend must be one of {', '.join(WRITE_BACKENDS)}, got {self.write_backend!r}")
         if self.verify_on not in ("auto", "read", "landed"):

@@ -16,8 +16,9 @@ from typing import Callable
 
 import numpy as np
 
+from .settings import WRITE_BACKENDS  # noqa: F401  (the settings table owns the names)
+
 TEMP_MARK = ".foxhunt-tmp."
-WRITE_BACKENDS = ("auto", "mmap", "pwrite")
 MAP_MIN_BYTES = 64 << 20   # "auto" maps files at least this large...
 MAP_MIN_WRITERS = 8        # ...written by at least this many threads (parallel copies must beat one pwrite)
 

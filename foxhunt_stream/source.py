@@ -22,11 +22,11 @@ import stat
 import threading
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
-
 from .errors import FormatError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # numpy is imported where it is used: a prefetch starts its code readers first
+    import numpy as np
+
     from .plan import Run
 
 ALIGN = 4096
@@ -249,6 +249,7 @@ class MmapSource(FileSource):
         super().__init__(path, expected_size)
         size = self.size()
         self._map = mmap.mmap(self.fd, size, prot=mmap.PROT_READ) if size else None
+        import numpy as np
         self._array = np.frombuffer(self._map, np.uint8) if size else np.empty(0, np.uint8)
 
     def read_into(self, out: np.ndarray, offset: int) -> None:
@@ -260,6 +261,7 @@ class MmapSource(FileSource):
                 limit = r
         if offset + want > min(self.size(), self._array.size) or limit < want:
             raise self._short(offset, max(0, min(limit, self.size() - offset)), want)
+        import numpy as np
         np.copyto(out.reshape(-1), self._array[offset:offset + want])
         self._count(want)
 
@@ -274,6 +276,7 @@ class MmapSource(FileSource):
                 limit = r
         if run.src + run.span > min(self.size(), self._array.size) or limit < run.span:
             raise self._short(run.src, max(0, min(limit, self.size() - run.src)), run.span)
+        import numpy as np
         rows = np.lib.stride_tricks.as_strided(self._array[run.src:], (run.height, run.width), (run.pitch, 1),
                                                writeable=False)
         out[:run.nbytes].reshape(run.height, run.width)[...] = rows
@@ -338,6 +341,7 @@ class DirectSource(FileSource):
         return buf[offset - lo:offset - lo + length]
 
     def read_into(self, out, offset):
+        import numpy as np
         scratch = np.empty(self.scratch_bytes(out.nbytes), np.uint8)
         np.copyto(out.reshape(-1), self.read_span(offset, out.nbytes, scratch))
 
@@ -394,6 +398,7 @@ def resident_fraction(path: str | os.PathLike, samples: int = 64) -> float:
                     vec = (ctypes.c_ubyte * pages)()
                     if _libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
                         return 1.0
+                    import numpy as np
                     return float((np.frombuffer(vec, np.uint8) & 1).mean())
                 picks = sorted({(i * pages) // samples for i in range(samples)})
                 vec = ctypes.c_ubyte()

@@ -37,16 +37,16 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
-
 from . import settings as _settings
-from .checkpoint import Checkpoint, Names, open_checkpoint, select
+from .codewarm import CODE_THREADS, RESIDENT_SAMPLE, SMALL_FILE, CodeWarm, sample_resident  # noqa: F401
+from .importtrace import _quiet, _quietly, code_files, module_files, warm_records, watch_opens  # noqa: F401
 from .pipeline import Cancelled, Job
-from .source import FileSource, open_source, resident_fraction, sendfile_to_null
-from .importtrace import (_quiet, _quietly, code_files, dist_records, module_files,  # noqa: F401
-                          warm_metadata, warm_records, watch_opens)
+from .source import FileSource, open_source, resident_fraction
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # numpy and the header parser load in prefetch(), once the code readers run
+    import numpy as np
+
+    from .checkpoint import Checkpoint, Names
     from .warmchild import ChildJob
 
 log = logging.getLogger("foxhunt_stream")
@@ -67,9 +67,6 @@ IDLE_THREADS_IN_PROCESS = 2   # ... in this process (helper_process=False): each
 # normal readahead again.
 IDLE_READ = "shallow"   # H200, cold: 2tx 15.8-16.2 s against 19.1-19.7 s with "sendfile" (RESULTS, session 6)
 IDLE_READS = ("sendfile", "shallow", "pread")   # shallow: sendfile of one step, no readahead
-CODE_THREADS = 8       # readers of the code files (modules=, imports=): what the imports wait for
-SMALL_FILE = 16 << 20  # code files below this are judged by a sample (sample_resident), not one by one
-RESIDENT_SAMPLE = 32
 
 _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 _IOPRIO_WHO_PROCESS, _IOPRIO_CLASS_IDLE, _IOPRIO_CLASS_SHIFT = 1, 3, 13
@@ -140,18 +137,6 @@ _live: "weakref.WeakSet[PrefetchHandle]" = weakref.WeakSet()
 _live_lock = threading.Lock()
 
 
-def sample_resident(paths: Sequence[str], k: int = RESIDENT_SAMPLE) -> bool:
-    """Whether ``k`` of ``paths``, spread evenly over the list, are all wholly in the page cache:
-    then the start is hot and the small code files need not be read again."""
-    if not paths:
-        return False
-    step = max(1, len(paths) // k)
-    try:
-        return all(resident_fraction(p, samples=16) >= 1.0 for p in list(paths)[::step][:k])
-    except (OSError, ValueError):
-        return False
-
-
 def warming(path: str | os.PathLike) -> bool:
     """Whether a prefetch of ``path`` is still running in this process."""
     real = os.path.realpath(path)
@@ -211,15 +196,10 @@ class PrefetchHandle:
 
     def __init__(self, ck: Checkpoint, pieces: list[Piece], sources: dict[int, FileSource],
                  name_pieces: dict[str, tuple[int, int]], threads: int, method: str,
-                 priority: str = "normal", modules_first: tuple | None = None,
+                 priority: str = "normal", code: CodeWarm | None = None,
                  max_rate: float | None = None, helper_process: bool = False) -> None:
         self.paths = list(ck.paths)
-        # modules_first = (packages, import trace, piece bytes, skip_resident): their files are
-        # found and read on the readers' threads before the checkpoint's pieces (code_files); a piece
-        # with file >= len(paths) reads module_paths[file - len(paths)], opened per piece
-        # (thousands of small files: no descriptor is held between pieces)
-        self.module_paths: list[str] = []
-        self.module_bytes = 0
+        self._code = code   # the code files, read first (started by prefetch before this handle)
         self._real_paths = {os.path.realpath(p) for p in ck.paths}
         self.pieces = pieces
         self.nbytes = sum(p.length for p in pieces)
@@ -234,7 +214,6 @@ class PrefetchHandle:
         self._buffers: list[np.ndarray | None] = [None] * max(1, threads)
         self._pacer = Pacer(max_rate)
         self._loading = False
-        self._code_buffers: list[np.ndarray | None] = [None] * CODE_THREADS
         self._closer = weakref.finalize(self, _close_sources, sources)
         self.started = time.perf_counter()
         self.finished: float | None = None
@@ -258,79 +237,54 @@ class PrefetchHandle:
             self.finished = self.started
         with _live_lock:
             _live.add(self)
-        self._modules_thread: threading.Thread | None = None
-        self._metadata_thread: threading.Thread | None = None   # warm_metadata, beside the code reads
         self._records_thread: threading.Thread | None = None    # warm_records (in process), not waited for
-        if modules_first is None:
+        if code is None:
             self._job.start()
-        else:   # discovery takes ~0.1-0.3 s: the caller's imports start meanwhile
-            self._modules_thread = threading.Thread(target=self._modules_then_checkpoint,
-                                                    args=(threads, *modules_first),
-                                                    name="foxhunt-prefetch-modules", daemon=True)
-            self._modules_thread.start()
+        else:   # the checkpoint's readers start once the code files are read
+            code.then(self._after_code)
 
-    def _modules_then_checkpoint(self, threads: int, modules, imports, piece_bytes: int,
-                                 skip_resident: bool) -> None:
-        _quiet.on = True   # the trace, the residency checks: not the process's own reads
+    @property
+    def module_paths(self) -> list[str]:
+        """The code files read first (``imports=``, ``modules=``)."""
+        return self._code.paths if self._code is not None else []
+
+    @property
+    def module_bytes(self) -> int:
+        return self._code.nbytes if self._code is not None else 0
+
+    @property
+    def _modules_thread(self) -> threading.Thread | None:
+        return self._code.thread if self._code is not None else None
+
+    @property
+    def _metadata_thread(self) -> threading.Thread | None:
+        return self._code.metadata_thread if self._code is not None else None
+
+    def _after_code(self) -> None:
+        """The code files are read (or the reads were cancelled): the checkpoint's turn."""
         try:
-            try:
-                files, dirs = code_files(modules, imports)
-                if skip_resident and files and sample_resident([p for p, _ in files]):
-                    # a hot start: thousands of small opens and stats would only cost the
-                    # importing thread GIL hand-offs; big files are still checked one by one
-                    files, dirs = [(p, r) for p, r in files if r[-1][1] >= SMALL_FILE], []
-                if (files or dirs) and not self._job.cancelled():   # directories and inodes on their own thread
-                    self._metadata_thread = threading.Thread(
-                        target=_quietly, args=(warm_metadata, [p for p, _ in files], dirs, self._job.cancelled),
-                        name="foxhunt-prefetch-metadata", daemon=True)
-                    self._metadata_thread.start()
-                records = dist_records([p for p, _ in files])
-                if records and not self._job.cancelled():
-                    # the imports stat these later (importlib.metadata): beside them, not before
-                    if self._helper:
-                        self._job.records = records   # no GIL of ours taken by ~10^4-10^5 stats
-                    else:
-                        self._records_thread = threading.Thread(
-                            target=_quietly, args=(warm_records, records, self._job.cancelled),
-                            name="foxhunt-prefetch-records", daemon=True)
-                        self._records_thread.start()
-                if skip_resident:   # big libraries already in memory (a hot start): nothing to read
-                    files = [(p, r) for p, r in files
-                             if r[-1][1] < SMALL_FILE or resident_fraction(p, samples=64) < 1.0]
-            except Exception:   # noqa: BLE001 - best effort like the reads: the checkpoint still warms
-                log.debug("prefetch: finding the modules' files failed", exc_info=True)
-                files = []
-            self.module_paths = [p for p, _ in files]
-            n = len(self.paths)
-            pieces = [Piece(n + i, off, min(piece_bytes, b - off))
-                      for i, (_, ranges) in enumerate(files) for a, b in ranges for off in range(a, b, piece_bytes)]
-
-            def counted(_i: int, piece: Piece, _result) -> None:
-                self.module_bytes += piece.length   # under the GIL; a progress figure only
-            if pieces and not self._job.cancelled():
-                # the imports are waiting for these: at normal priority, hinted, a deep queue
-                job = Job(pieces, self._read_module_file, CODE_THREADS, counted, name="foxhunt-prefetch",
-                          setup=self._setup_code).start()
-                try:
-                    job.wait()
-                except BaseException:   # noqa: BLE001 - warming imports is best effort
-                    pass
+            records = self._code.records
+            if records and not self._job.cancelled():
+                # the imports stat these later (importlib.metadata): beside them, not before
+                if self._helper:
+                    self._job.records = records   # no GIL of ours taken by ~10^4-10^5 stats
+                else:
+                    self._records_thread = threading.Thread(
+                        target=_quietly, args=(warm_records, records, self._job.cancelled),
+                        name="foxhunt-prefetch-records", daemon=True)
+                    self._records_thread.start()
         finally:
             self._job.start()   # cancelled: its readers stop at once and done() turns true
 
     # -- workers
     def _setup(self, worker: int) -> None:
+        import numpy as np
         _quiet.on = True
         if self.priority == "idle":
             set_idle_io_priority()
         if self._method == "read":
             self._buffers[worker] = np.empty(max(READ_BYTES, self._step()) if self._copy else READ_BYTES,
                                              np.uint8)
-
-    def _setup_code(self, worker: int) -> None:
-        _quiet.on = True
-        if self._method == "read":
-            self._code_buffers[worker] = np.empty(READ_BYTES, np.uint8)
 
     def _work(self, worker: int, piece: Piece) -> None:
         src = self._sources[piece.file]
@@ -360,29 +314,6 @@ class PrefetchHandle:
             os.posix_fadvise(fd, piece.offset, piece.length, os.POSIX_FADV_WILLNEED)
         except (AttributeError, OSError):   # a hint only: not every platform/filesystem takes it
             pass
-
-    def _read_module_file(self, worker: int, piece: Piece) -> None:
-        if self._job.cancelled():   # not even opened and hinted: a hint queues the whole piece
-            raise Cancelled("cancelled")
-        path = self.module_paths[piece.file - len(self.paths)]
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            return   # gone or unreadable: the import will say so, not the prefetch
-        try:
-            self._advise(fd, piece)
-            if self._method == "advise" or self._job.cancelled():
-                return
-            got = sendfile_to_null(fd, piece.offset, piece.length) or 0
-            if got < piece.length:   # no sendfile, or it stopped part way (or end of file)
-                buf = self._code_buffers[worker]
-                for off in range(piece.offset + got, piece.end, READ_BYTES):
-                    if os.preadv(fd, [buf[:min(READ_BYTES, piece.end - off)]], off) <= 0:
-                        return   # shorter than listed (rewritten): nothing more to warm
-        except OSError:
-            return   # best effort: the import reads its own files
-        finally:
-            os.close(fd)
 
     def _on_done(self, i: int, piece: Piece, _result) -> None:
         with self._cond:
@@ -444,13 +375,8 @@ class PrefetchHandle:
         imports from memory: on the H200 machine, cold, ``import torch, transformers`` took
         12.9-13.5 s this way against 16.3-18.4 s with nothing warmed and 11.7 s hot
         (``benchmarks/cold_imports.py``). Returns at once when there were no code files."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for attr in ("_modules_thread", "_metadata_thread"):   # the second is started by the first
-            t = getattr(self, attr)
-            if t is not None:
-                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-                if t.is_alive():
-                    raise TimeoutError("prefetch of the code files still running")
+        if self._code is not None:
+            self._code.wait(timeout)
 
     def _step(self) -> int:
         """Bytes per warming call. Idle or paced readers take small steps: the kernel's readahead
@@ -476,15 +402,14 @@ class PrefetchHandle:
         (a 4-64 MiB step of the checkpoint, or one piece of a code file)."""
         self._pacer.release()
         self._job.cancel()
+        if self._code is not None:   # its readers stop after their current piece; then the job starts, cancelled
+            self._code.cancel()
         try:
             self._job.wait()
         except BaseException:
             pass
-        if self._modules_thread is not None:   # its readers stop after their current piece
-            self._modules_thread.join()
-        for t in (self._metadata_thread, self._records_thread):   # started by the modules thread
-            if t is not None:
-                t.join()
+        if self._records_thread is not None:   # started once the code files were read
+            self._records_thread.join()
         self._closer()
 
     def __repr__(self) -> str:
@@ -554,26 +479,49 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
         raise ValueError("helper_process=True reads the pieces (method='read'); 'advise' needs no helper")
     if helper_process is None:   # the startup case: keep ~10^3 reads a second off this process's GIL
         helper_process = priority == "idle" and method == "read" and bool(sys.executable)
-    s = _settings.merge(**options)
-    # A disk streams sequentially with a few readers (each has a whole piece in flight); more
-    # would only compete with the imports running meanwhile for the same disk and cores.
-    default = (IDLE_THREADS if helper_process else IDLE_THREADS_IN_PROCESS) if priority == "idle" else DEFAULT_THREADS
-    threads = s.threads if options.get("threads") else min(default, s.threads)
-    ck = open_checkpoint(source)
-    chosen = select(ck, names)
-    spans = _spans(ck, chosen, names is None)
-    if skip_resident:
-        for f, path in enumerate(ck.paths):
-            if spans[f] and resident_fraction(path, samples=1 << 62) >= 1.0:
-                spans[f] = []
     if isinstance(modules, (str, bytes)):
         raise TypeError(f"modules takes a list of package names, got the string {modules!r}")
     for m in modules:
         if not m or "." in m:
             raise ValueError(f"modules takes top-level package names, got {m!r}")
-    pieces = plan_pieces(spans, s.chunk_bytes)
+    s = _settings.merge(**options)
+    # A disk streams sequentially with a few readers (each has a whole piece in flight); more
+    # would only compete with the imports running meanwhile for the same disk and cores.
+    default = (IDLE_THREADS if helper_process else IDLE_THREADS_IN_PROCESS) if priority == "idle" else DEFAULT_THREADS
+    threads = s.threads if options.get("threads") else min(default, s.threads)
+    code = None
+    if imports is not None:
+        imports = os.path.expanduser(os.fspath(imports))
+        watch_opens()   # so that record_imports can list what this start reads
+    if modules or imports:   # first: the code readers fetch numpy's files while we import it
+        code = CodeWarm(modules, imports, s.chunk_bytes, skip_resident, advise_only=method == "advise")
+    sources: dict[int, FileSource] = {}
+    try:
+        from .checkpoint import open_checkpoint, select
+        ck = open_checkpoint(source)
+        chosen = select(ck, names)
+        spans = _spans(ck, chosen, names is None)
+        if skip_resident:
+            for f, path in enumerate(ck.paths):
+                if spans[f] and resident_fraction(path, samples=1 << 62) >= 1.0:
+                    spans[f] = []
+        pieces = plan_pieces(spans, s.chunk_bytes)
+        name_pieces = _name_pieces(ck, chosen, pieces)
+        for f in sorted({p.file for p in pieces}):
+            sources[f] = open_source(ck.paths[f], "pread", ck.headers[f].file_size)
+    except BaseException:
+        _close_sources(sources)
+        if code is not None:   # a bad checkpoint: the code readers stop too
+            code.cancel()
+        raise
+    return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method, priority, code, max_rate,
+                          helper_process)
+
+
+def _name_pieces(ck: Checkpoint, chosen: list[str], pieces: list[Piece]) -> dict[str, tuple[int, int]]:
+    """Pure: per tensor name, the range ``[a, b)`` of ``pieces`` that holds its bytes."""
     keys = [(p.file, p.offset) for p in pieces]
-    name_pieces: dict[str, tuple[int, int]] = {}
+    out: dict[str, tuple[int, int]] = {}
     for n in chosen:
         f, info = ck.names[n]
         base = ck.headers[f].data_start
@@ -583,20 +531,8 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
         while a < len(pieces) and (pieces[a].file, pieces[a].end) <= (f, start):
             a += 1
         b = bisect.bisect_left(keys, (f, end))
-        name_pieces[n] = (a, max(a, b))
-    sources: dict[int, FileSource] = {}
-    try:
-        for f in sorted({p.file for p in pieces}):
-            sources[f] = open_source(ck.paths[f], "pread", ck.headers[f].file_size)
-    except BaseException:
-        _close_sources(sources)
-        raise
-    if imports is not None:
-        imports = os.path.expanduser(os.fspath(imports))
-        watch_opens()   # so that record_imports can list what this start reads
-    modules_first = (tuple(modules), imports, s.chunk_bytes, skip_resident) if modules or imports else None
-    return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method, priority, modules_first, max_rate,
-                          helper_process)
+        out[n] = (a, max(a, b))
+    return out
 
 
 class WarmupHandle:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import foxhunt_stream as fs
+from foxhunt_stream import codewarm
 from foxhunt_stream import importtrace as itrace
 from foxhunt_stream import warm
 from foxhunt_stream.importtrace import (format_trace, merge_ranges, order_loaded_files, parse_import_trace,
@@ -161,18 +162,18 @@ def test_prefetch_reads_the_trace_in_order_then_the_checkpoint(tmp_path, monkeyp
     trace.write_text(itrace.TRACE_HEADER + "\n" + "\n".join([files[0], str(tmp_path / "gone.pyc"), *files[1:]]) + "\n")
     path = _checkpoint(tmp_path)
     order: list[str] = []
-    real_work, real_code = warm.PrefetchHandle._work, warm.PrefetchHandle._read_module_file
+    real_work, real_code = warm.PrefetchHandle._work, codewarm.CodeWarm._read
 
     def work(self, worker, piece):
         order.append("checkpoint")
         return real_work(self, worker, piece)
 
     def code(self, worker, piece):
-        order.append(self.module_paths[piece.file - len(self.paths)])
+        order.append(self.paths[piece.file])
         return real_code(self, worker, piece)
     monkeypatch.setattr(warm.PrefetchHandle, "_work", work)
-    monkeypatch.setattr(warm.PrefetchHandle, "_read_module_file", code)
-    monkeypatch.setattr(warm, "CODE_THREADS", 1)   # one reader: the order is the trace's
+    monkeypatch.setattr(codewarm.CodeWarm, "_read", code)
+    monkeypatch.setattr(codewarm, "CODE_THREADS", 1)   # one reader: the order is the trace's
     h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, imports=trace, helper_process=False)
     h.wait()
     assert order[:5] == [files[0]] * 3 + [files[1], files[2]]   # 20 000 bytes = three 8 KiB pieces
@@ -187,13 +188,13 @@ def test_prefetch_reads_only_the_listed_ranges_of_a_library(tmp_path, monkeypatc
     trace.write_text(f"{itrace.TRACE_HEADER}\n{lib}\t0+4096,40960+20000\n")
     path = _checkpoint(tmp_path)
     read: list[tuple[int, int]] = []
-    real = warm.PrefetchHandle._read_module_file
+    real = codewarm.CodeWarm._read
 
     def code(self, worker, piece):
         read.append((piece.offset, piece.length))
         return real(self, worker, piece)
-    monkeypatch.setattr(warm.PrefetchHandle, "_read_module_file", code)
-    monkeypatch.setattr(warm, "CODE_THREADS", 1)
+    monkeypatch.setattr(codewarm.CodeWarm, "_read", code)
+    monkeypatch.setattr(codewarm, "CODE_THREADS", 1)
     h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, imports=trace)
     h.wait()
     assert read == [(0, 4096), (40960, 8192), (49152, 8192), (57344, 3616)] and h.module_bytes == 24_096
@@ -258,7 +259,7 @@ def test_code_files_are_hinted_at_normal_priority_while_the_checkpoint_idles(tmp
     path = _checkpoint(tmp_path)
     idle_threads, code_threads, hinted = set(), set(), []
     monkeypatch.setattr(warm, "set_idle_io_priority", lambda: idle_threads.add(threading.current_thread()) or True)
-    real_code, real_advise = warm.PrefetchHandle._read_module_file, os.posix_fadvise
+    real_code, real_advise = codewarm.CodeWarm._read, os.posix_fadvise
 
     def code(self, worker, piece):
         code_threads.add(threading.current_thread())
@@ -268,7 +269,7 @@ def test_code_files_are_hinted_at_normal_priority_while_the_checkpoint_idles(tmp
         if advice == os.POSIX_FADV_WILLNEED:   # (the idle readers advise RANDOM: no readahead)
             hinted.append(os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else "?")
         return real_advise(fd, offset, length, advice)
-    monkeypatch.setattr(warm.PrefetchHandle, "_read_module_file", code)
+    monkeypatch.setattr(codewarm.CodeWarm, "_read", code)
     monkeypatch.setattr(os, "posix_fadvise", advise)
     h = fs.prefetch(path, skip_resident=False, imports=trace, helper_process=False)   # priority="idle" by default
     h.wait()
@@ -547,7 +548,7 @@ def test_cancel_stops_the_code_readers_and_the_metadata_thread(tmp_path, monkeyp
     libs, trace = _small_files_traced(tmp_path, "lib{}.so", 50, 10_000, [tmp_path / f"d{i}" for i in range(50)])
     path = _checkpoint(tmp_path)
     both_in, gate, cancelling, after_cancel = threading.Barrier(3), threading.Event(), threading.Event(), []
-    real_sendfile, real_advise, real_listdir = warm.sendfile_to_null, os.posix_fadvise, os.listdir
+    real_sendfile, real_advise, real_listdir = codewarm.sendfile_to_null, os.posix_fadvise, os.listdir
 
     def sendfile(*a):
         if not gate.is_set():
@@ -563,8 +564,8 @@ def test_cancel_stops_the_code_readers_and_the_metadata_thread(tmp_path, monkeyp
     def listdir(d):
         gate.wait(10)
         return real_listdir(d)
-    monkeypatch.setattr(warm, "CODE_THREADS", 2)
-    monkeypatch.setattr(warm, "sendfile_to_null", sendfile)
+    monkeypatch.setattr(codewarm, "CODE_THREADS", 2)
+    monkeypatch.setattr(codewarm, "sendfile_to_null", sendfile)
     monkeypatch.setattr(os, "posix_fadvise", advise)
     monkeypatch.setattr(os, "listdir", listdir)
     h = fs.prefetch(path, skip_resident=False, imports=trace)
@@ -686,7 +687,9 @@ def test_a_hot_start_skips_the_small_code_files_and_their_metadata(tmp_path, mon
     files, trace = _small_files_traced(tmp_path, "m{}.pyc", 40, 1000, [tmp_path])
     path = _checkpoint(tmp_path)
     cold: set[str] = set()
-    monkeypatch.setattr(warm, "resident_fraction", lambda p, samples=64: 0.0 if str(p) in cold else 1.0)
+    resident = lambda p, samples=64: 0.0 if str(p) in cold else 1.0   # noqa: E731
+    monkeypatch.setattr(warm, "resident_fraction", resident)
+    monkeypatch.setattr(codewarm, "resident_fraction", resident)
     h = fs.prefetch(path, imports=trace)
     h.wait()
     assert h.module_paths == [] and h.module_bytes == 0 and h._metadata_thread is None
@@ -825,3 +828,34 @@ def test_a_traced_record_is_warmed_beside_the_checkpoint(tmp_path, monkeypatch, 
         h._records_thread.join(10)
         assert set(files) <= set(seen)
     h.cancel()
+
+
+def test_the_code_readers_start_before_numpy_is_imported(tmp_path):
+    """A cold start's prefetch is its first statement: its code readers are running before the
+    header parser pulls in numpy, so numpy's own files (they lead a trace) are fetched by 8
+    readers while the calling thread imports it, not by that thread alone."""
+    libs, trace = _small_files_traced(tmp_path, "lib{}.so", 3, 1000, [])
+    path = _checkpoint(tmp_path)
+    program = f"""
+import sys, threading
+events = []
+real_start = threading.Thread.start
+def start(self):
+    events.append("thread " + self.name)
+    return real_start(self)
+threading.Thread.start = start
+def hook(event, args):
+    if event == "import" and args[0] == "numpy":
+        events.append("numpy")
+sys.addaudithook(hook)
+import foxhunt_stream as fs
+h = fs.prefetch({path!r}, imports={str(trace)!r}, helper_process=False, skip_resident=False)
+h.wait()
+print(repr((events, h.module_bytes)))
+"""
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(fs.__file__))})
+    assert out.returncode == 0, out.stderr
+    events, module_bytes = eval(out.stdout.strip().splitlines()[-1])
+    assert module_bytes == 3000
+    assert "numpy" in events and events.index("thread foxhunt-prefetch-modules") < events.index("numpy")

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 import safetensors.torch as sttorch  # noqa: E402
 
 import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream import loader, pipeline, source  # noqa: E402
+from foxhunt_stream import codewarm, loader, pipeline, source  # noqa: E402
 from foxhunt_stream.warm import plan_pieces, warming  # noqa: E402  (fs.prefetch is the function)
 from foxhunt_stream.checkpoint import open_checkpoint  # noqa: E402
 from foxhunt_stream.settings import merge  # noqa: E402
@@ -632,7 +632,7 @@ def test_prefetch_reads_the_modules_files_before_the_checkpoint(tmp_path, monkey
     pkg, _ = _fake_package(tmp_path, monkeypatch)
     path, _ = _checkpoint(tmp_path)
     order = []
-    real_work, real_code = warm_mod.PrefetchHandle._work, warm_mod.PrefetchHandle._read_module_file
+    real_work, real_code = warm_mod.PrefetchHandle._work, codewarm.CodeWarm._read
 
     def work(self, worker, piece):
         order.append("checkpoint")
@@ -642,7 +642,7 @@ def test_prefetch_reads_the_modules_files_before_the_checkpoint(tmp_path, monkey
         order.append("module")
         return real_code(self, worker, piece)
     monkeypatch.setattr(warm_mod.PrefetchHandle, "_work", work)
-    monkeypatch.setattr(warm_mod.PrefetchHandle, "_read_module_file", code)
+    monkeypatch.setattr(codewarm.CodeWarm, "_read", code)
     h = fs.prefetch(path, skip_resident=False, threads=1, chunk_bytes=8192, modules=["fhfakepkg"], helper_process=False)
     h.wait()
     n_mod = 3 + 1 + 1   # libbig.so.12 (20 000 bytes) in three 8 KiB pieces, _ext.so, the .pyc
@@ -667,14 +667,14 @@ def test_prefetch_of_modules_alone_is_done_only_once_its_readers_stop(tmp_path, 
     _fake_package(tmp_path, monkeypatch)
     path, _ = _checkpoint(tmp_path)
     started, release = threading.Event(), threading.Event()
-    real = warm_mod.PrefetchHandle._read_module_file
+    real = codewarm.CodeWarm._read
 
     def slow(self, worker, piece):
         started.set()
-        while not (release.is_set() or self._job.cancelled()):
+        while not (release.is_set() or self.cancelled()):
             release.wait(0.01)
         return real(self, worker, piece)
-    monkeypatch.setattr(warm_mod.PrefetchHandle, "_read_module_file", slow)
+    monkeypatch.setattr(codewarm.CodeWarm, "_read", slow)
     h = fs.prefetch(path, names=[], skip_resident=False, threads=1, chunk_bytes=8192, modules=["fhfakepkg"])
     assert started.wait(10)
     assert not h.done()

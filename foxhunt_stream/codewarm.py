@@ -28,8 +28,9 @@ SMALL_FILE = 16 << 20  # code files below this are judged by a sample (sample_re
 RESIDENT_SAMPLE = 32
 
 
-class CodePiece(NamedTuple):
-    """``length`` bytes at ``offset`` of ``CodeWarm.paths[file]``."""
+class Piece(NamedTuple):
+    """One unit of prefetch work: ``length`` bytes at ``offset`` of file number ``file`` (a code
+    file here, ``CodeWarm.paths[file]``; a checkpoint file in ``warm``)."""
     file: int
     offset: int
     length: int
@@ -115,7 +116,7 @@ class CodeWarm:
                 log.debug("prefetch: finding the modules' files failed", exc_info=True)
                 files = []
             self.paths = [p for p, _ in files]
-            pieces = [CodePiece(i, off, min(piece_bytes, b - off))
+            pieces = [Piece(i, off, min(piece_bytes, b - off))
                       for i, (_, ranges) in enumerate(files) for a, b in ranges for off in range(a, b, piece_bytes)]
             if pieces and not self.cancelled():
                 # the imports are waiting for these: at normal priority, hinted, a deep queue
@@ -131,10 +132,10 @@ class CodeWarm:
             for fn in then:
                 fn()
 
-    def _counted(self, _i: int, piece: CodePiece, _result) -> None:
+    def _counted(self, _i: int, piece: Piece, _result) -> None:
         self.nbytes += piece.length   # under the GIL; a progress figure only
 
-    def _read(self, worker: int, piece: CodePiece) -> None:
+    def _read(self, worker: int, piece: Piece) -> None:
         _quiet.on = True
         if self.cancelled():   # not even opened and hinted: a hint queues the whole piece
             raise Cancelled("cancelled")

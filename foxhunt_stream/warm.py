@@ -34,11 +34,10 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from . import settings as _settings
-from .codewarm import CODE_THREADS, RESIDENT_SAMPLE, SMALL_FILE, CodeWarm, sample_resident  # noqa: F401
+from .codewarm import CODE_THREADS, RESIDENT_SAMPLE, SMALL_FILE, CodeWarm, Piece, sample_resident  # noqa: F401
 from .importtrace import _quiet, _quietly, code_files, module_files, warm_records, watch_opens  # noqa: F401
 from .pipeline import Cancelled, Job
 from .source import FileSource, open_source, resident_fraction
@@ -87,18 +86,6 @@ def set_idle_io_priority() -> bool:
                             _IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT) == 0
     except (OSError, AttributeError):
         return False
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """One unit of prefetch work: ``length`` bytes at ``offset`` of file ``file``."""
-    file: int
-    offset: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
 
 
 def plan_pieces(spans: Sequence[Sequence[tuple[int, int]]], piece_bytes: int) -> list[Piece]:

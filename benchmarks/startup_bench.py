@@ -21,7 +21,8 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
         in the order they were needed, then the weights; a cold run with no trace yet gets a
         hot 2t run first that records one (not counted)
     2tw 2t, but the imports start only once the trace's files are read (``PF.wait_imports()``)
-    2tx 2tw with ``helper_process=True``: the weights read by a child process (no GIL shared)
+    2tx 2tw with ``helper_process=True`` spelled out (the default since session 6: the weights
+        read by a child process, no GIL shared; with ``helper_process=False`` before)
     2ty 2t with ``helper_process=True``: the imports start at once, beside the code files' reads
     2tn 2t with priority="normal": the weights read by 8 hinted readers, not 2 idle ones
     2tr 2t with max_rate=RATE (``--prefetch-rate``, default 1 GB/s) until the load starts: the disk

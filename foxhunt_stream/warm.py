@@ -64,7 +64,7 @@ IDLE_THREADS_IN_PROCESS = 2   # ... in this process (helper_process=False): each
 # files advised POSIX_FADV_RANDOM (no readahead: each reader has about one step queued); or
 # "pread", shallow through a buffer of one step. Once a load begins (unthrottle), sendfile and
 # normal readahead again.
-IDLE_READ = "shallow"   # H200, cold: 2tx 15.8-16.2 s against 19.1-19.7 s with "sendfile" (RESULTS, session 6)
+IDLE_READ = "shallow"   # H200, cold: 2tx 15.8-16.2 s against 20.0-25.4 s with "sendfile" (RESULTS, session 6)
 IDLE_READS = ("sendfile", "shallow", "pread")   # shallow: sendfile of one step, no readahead
 
 _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}

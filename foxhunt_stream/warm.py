@@ -209,16 +209,14 @@ class PrefetchHandle:
             raise ValueError(f"warm.IDLE_READ must be one of {', '.join(IDLE_READS)}, got {IDLE_READ!r}")
         self._shallow = priority == "idle" and IDLE_READ != "sendfile" and method == "read"
         self._copy = self._shallow and IDLE_READ == "pread"
-        if self._shallow and not helper_process:
-            _advise_all(sources, "POSIX_FADV_RANDOM")
+        self._threads = threads
         if helper_process:   # the checkpoint's reads in a child process: none of them takes our GIL
             from .warmchild import ChildJob   # (subprocess and tempfile: imported only when asked for)
             self._job: Job | ChildJob = ChildJob(
                 ck.paths, [h.file_size for h in ck.headers], pieces, self._on_done, threads, priority,
                 self._step(), WARM_BYTES, max_rate, shallow=self._shallow, copy=self._copy)
         else:
-            self._job = Job(pieces, self._work, threads, self._on_done, name="foxhunt-prefetch",
-                            setup=self._setup)
+            self._job = self._threads_job()
         if not pieces:
             self._closer()
             self.finished = self.started
@@ -226,9 +224,28 @@ class PrefetchHandle:
             _live.add(self)
         self._records_thread: threading.Thread | None = None    # warm_records (in process), not waited for
         if code is None:
-            self._job.start()
+            self._start_job()
         else:   # the checkpoint's readers start once the code files are read
             code.then(self._after_code)
+
+    def _threads_job(self) -> Job:
+        """The checkpoint's readers as threads of this process."""
+        if self._shallow:
+            _advise_all(self._sources, "POSIX_FADV_RANDOM")
+        return Job(self.pieces, self._work, self._threads, self._on_done, name="foxhunt-prefetch", setup=self._setup)
+
+    def _start_job(self) -> None:
+        self._job.start()
+        if self._helper and self._job.spawn_failed():
+            # no child process here (an embedded interpreter, no fork allowed...): read in this one
+            log.debug("prefetch: the helper process did not start (%s); reading in this process", self._job.error)
+            cancelled = self._job.cancelled()
+            self._helper = False
+            self._threads = min(self._threads, IDLE_THREADS_IN_PROCESS) if self.priority == "idle" else self._threads
+            self._job = self._threads_job()
+            if cancelled:
+                self._job.cancel()
+            self._job.start()
 
     @property
     def module_paths(self) -> list[str]:
@@ -261,7 +278,7 @@ class PrefetchHandle:
                         name="foxhunt-prefetch-records", daemon=True)
                     self._records_thread.start()
         finally:
-            self._job.start()   # cancelled: its readers stop at once and done() turns true
+            self._start_job()   # cancelled: its readers stop at once and done() turns true
 
     # -- workers
     def _setup(self, worker: int) -> None:

@@ -142,6 +142,10 @@ class ChildJob:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
+    def spawn_failed(self) -> bool:
+        """start() could not start the child (the error is in ``error``)."""
+        return self._proc is None and self.error is not None
+
     def done(self) -> bool:
         return self._done.is_set()
 

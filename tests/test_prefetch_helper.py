@@ -167,3 +167,16 @@ def test_an_idle_prefetch_reads_in_a_helper_by_default_and_a_normal_one_here(ckp
     assert isinstance(normal._job, Job)
     here = fs.prefetch(ckpt, names=[], helper_process=False)
     assert isinstance(here._job, Job) and here._step() == warm.PACED_BYTES
+
+
+def test_no_helper_process_here_means_reading_in_this_one(ckpt, monkeypatch):
+    """Where no child can be started (an embedded interpreter, a sandbox), the default idle
+    prefetch still warms every byte, with threads of this process."""
+    from foxhunt_stream.pipeline import Job
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
+    _evict(ckpt)
+    h = fs.prefetch(ckpt, skip_resident=False)
+    h.wait(timeout=60)
+    assert isinstance(h._job, Job) and not h._helper
+    assert h.bytes_done == h.nbytes == os.path.getsize(ckpt)
+    assert resident_fraction(ckpt, samples=64) == 1.0

@@ -210,6 +210,7 @@ class PrefetchHandle:
         self._shallow = priority == "idle" and IDLE_READ != "sendfile" and method == "read"
         self._copy = self._shallow and IDLE_READ == "pread"
         self._threads = threads
+        self._job_lock = threading.Lock()   # held while a failed helper is swapped for threads (_start_job)
         if helper_process:   # the checkpoint's reads in a child process: none of them takes our GIL
             from .warmchild import ChildJob   # (subprocess and tempfile: imported only when asked for)
             self._job: Job | ChildJob = ChildJob(
@@ -235,17 +236,29 @@ class PrefetchHandle:
         return Job(self.pieces, self._work, self._threads, self._on_done, name="foxhunt-prefetch", setup=self._setup)
 
     def _start_job(self) -> None:
+        with self._job_lock:   # a waiter woken by a helper that failed to start sees the threads' job
+            self._start_job_locked()
+
+    def _start_job_locked(self) -> None:
         self._job.start()
         if self._helper and self._job.spawn_failed():
             # no child process here (an embedded interpreter, no fork allowed...): read in this one
             log.debug("prefetch: the helper process did not start (%s); reading in this process", self._job.error)
-            cancelled = self._job.cancelled()
+            cancelled, records = self._job.cancelled(), self._job.records
             self._helper = False
             self._threads = min(self._threads, IDLE_THREADS_IN_PROCESS) if self.priority == "idle" else self._threads
             self._job = self._threads_job()
             if cancelled:
                 self._job.cancel()
+            self._start_records(records)
             self._job.start()
+
+    def _start_records(self, records: list[str]) -> None:
+        """The RECORDs' files stat'ed on a thread of this process (the helper does it in its own)."""
+        if records and not self._job.cancelled():
+            self._records_thread = threading.Thread(target=_quietly, args=(warm_records, records, self._job.cancelled),
+                                                    name="foxhunt-prefetch-records", daemon=True)
+            self._records_thread.start()
 
     @property
     def module_paths(self) -> list[str]:
@@ -267,16 +280,11 @@ class PrefetchHandle:
     def _after_code(self) -> None:
         """The code files are read (or the reads were cancelled): the checkpoint's turn."""
         try:
-            records = self._code.records
-            if records and not self._job.cancelled():
-                # the imports stat these later (importlib.metadata): beside them, not before
-                if self._helper:
-                    self._job.records = records   # no GIL of ours taken by ~10^4-10^5 stats
-                else:
-                    self._records_thread = threading.Thread(
-                        target=_quietly, args=(warm_records, records, self._job.cancelled),
-                        name="foxhunt-prefetch-records", daemon=True)
-                    self._records_thread.start()
+            # the imports stat these later (importlib.metadata): beside them, not before
+            if self._helper:
+                self._job.records = self._code.records   # no GIL of ours taken by ~10^4-10^5 stats
+            else:
+                self._start_records(self._code.records)
         finally:
             self._start_job()   # cancelled: its readers stop at once and done() turns true
 
@@ -338,7 +346,28 @@ class PrefetchHandle:
 
     def done(self) -> bool:
         t = self._modules_thread   # modules still being read count as running (even with no pieces)
-        return self._job.done() and (t is None or not t.is_alive())
+        return self._job_done() and (t is None or not t.is_alive())
+
+    def _job_done(self) -> bool:
+        with self._job_lock:
+            return self._job.done()
+
+    def _wait_job(self, timeout: float | None = None) -> None:
+        """The readers' job's wait(); where a helper that could not start was replaced by threads
+        meanwhile (_start_job), the threads' job's."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            job = self._job
+            try:
+                job.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except BaseException:
+                with self._job_lock:
+                    if self._job is not job:
+                        continue
+                raise
+            with self._job_lock:
+                if self._job is job:
+                    return
 
     def wait(self, name: str | None = None, timeout: float | None = None) -> None:
         """Block until the prefetch (or only tensor ``name``'s bytes) is in the page cache.
@@ -348,7 +377,7 @@ class PrefetchHandle:
         """
         if name is None:
             deadline = None if timeout is None else time.monotonic() + timeout
-            self._job.wait(timeout)
+            self._wait_job(timeout)
             t = self._modules_thread
             if t is not None:   # the checkpoint's job may have had nothing to read
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -362,7 +391,7 @@ class PrefetchHandle:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while not all(self._landed[a:b]):
-                if self._job.done():
+                if self._job_done():
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -370,7 +399,7 @@ class PrefetchHandle:
                 self._cond.wait(0.05 if left is None else min(left, 0.05))
             ok = all(self._landed[a:b])
         if not ok:
-            self._job.wait()   # raises the error that stopped it
+            self._wait_job()   # raises the error that stopped it
             raise RuntimeError(f"prefetch ended before {name!r} was read")
 
     def wait_imports(self, timeout: float | None = None) -> None:
@@ -409,7 +438,7 @@ class PrefetchHandle:
         if self._code is not None:   # its readers stop after their current piece; then the job starts, cancelled
             self._code.cancel()
         try:
-            self._job.wait()
+            self._wait_job()
         except BaseException:
             pass
         if self._records_thread is not None:   # started once the code files were read

@@ -180,3 +180,20 @@ def test_no_helper_process_here_means_reading_in_this_one(ckpt, monkeypatch):
     assert isinstance(h._job, Job) and not h._helper
     assert h.bytes_done == h.nbytes == os.path.getsize(ckpt)
     assert resident_fraction(ckpt, samples=64) == 1.0
+
+
+def test_without_a_helper_the_traced_records_are_stat_ed_here(ckpt, tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    (site / "p-1.dist-info").mkdir(parents=True)
+    (site / "p").mkdir()
+    (site / "p" / "m.py").write_text("")
+    record = site / "p-1.dist-info" / "RECORD"
+    record.write_text("p/m.py,,\n")
+    trace = tmp_path / "trace.txt"
+    trace.write_text("# foxhunt-stream import trace v1\n" + str(record) + "\n")
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
+    h = fs.prefetch(ckpt, imports=str(trace), skip_resident=False)
+    h.wait(timeout=60)
+    assert not h._helper and h._records_thread is not None
+    h._records_thread.join(10)
+    assert not h._records_thread.is_alive()

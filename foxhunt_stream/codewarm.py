@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Callable, NamedTuple, Sequence
 
 from .importtrace import _quiet, _quietly, code_files, dist_records, warm_metadata
@@ -161,7 +162,6 @@ class CodeWarm:
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the files are read and their directories and inodes warmed."""
-        import time
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in (self.thread, self.metadata_thread):   # the second is started by the first
             if t is not None:

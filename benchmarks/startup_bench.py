@@ -14,6 +14,11 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
     1   AutoModelForCausalLM.from_pretrained(dir, dtype=bfloat16, device_map=device)
     2   meta model + to_empty + fs.torch.load_model (fs.warmup timed separately)
     2w  2, with fs.warmup(DEV, background=True) right after importing foxhunt_stream
+    2b  the restore overlaps the imports: fs.warmup(background=True) first, then import torch,
+        start CUDA, ``H = fs.torch.load_file(dir, device=DEV, background=True)``, then import
+        transformers, build on meta and ``fs.torch.load_model(model, H)`` (assigns the tensors)
+    2bk 2b, and a thread runs the model's GEMM shapes and attention once on dummy tensors while
+        the imports run (cuBLAS handle, lazily loaded kernels: the first forward's own costs)
     2p  2, with fs.prefetch(dir, modules=("torch", "nvidia", "transformers")) as the very first
         statement, before torch is imported (the packages' files are read first, then the weights)
     2t  2, with fs.prefetch(dir, imports=TRACE) first: the files an earlier start loaded
@@ -21,6 +26,7 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
         in the order they were needed, then the weights; a cold run with no trace yet gets a
         hot 2t run first that records one (not counted)
     2tw 2t, but the imports start only once the trace's files are read (``PF.wait_imports()``)
+    2tb 2tw, then as 2b: the restore runs beside import transformers while the prefetch still reads
     2tx 2tw with ``helper_process=True`` spelled out (the default since session 6: the weights
         read by a child process, no GIL shared; with ``helper_process=False`` before)
     2ty 2t with ``helper_process=True``: the imports start at once, beside the code files' reads
@@ -56,10 +62,12 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2w", "2p", "2t", "2tw", "2tx", "2ty", "2tn", "2tr", "2T", "3")
-TRACED = ("2t", "2tw", "2tx", "2ty", "2tn", "2tr", "2T")
+VARIANTS = ("F", "E", "1", "2", "2w", "2b", "2bk", "2p", "2t", "2tw", "2tb", "2tx", "2ty", "2tn", "2tr", "2T", "3")
+TRACED = ("2t", "2tw", "2tb", "2tx", "2ty", "2tn", "2tr", "2T")
+BACKGROUND = ("2b", "2bk", "2tb")   # the restore starts before import transformers
 DEFAULT_RATE = 1e9
 PREFETCH_KEYS = ("prefetch_bytes", "prefetch_total", "prefetch_module_bytes", "prefetch_bytes_at_load")
+SIDE_KEYS = PREFETCH_KEYS + ("bg_load_done", "kernels_warm_done")   # stamped by other threads: not phases
 DEFAULT_TRACE = os.path.join("/tmp", "foxhunt_startup_imports.txt")
 LABELS = {
     "F": "floor (imports, CUDA, meta model)",
@@ -67,9 +75,12 @@ LABELS = {
     "1": "transformers from_pretrained",
     "2": "meta + to_empty + fs.torch.load_model",
     "2w": "2 + fs.warmup(background=True) first",
+    "2b": "restore beside the imports + load_model",
+    "2bk": "2b + kernels warmed meanwhile",
     "2p": "2 + fs.prefetch first",
     "2t": "2 + fs.prefetch(imports=trace) first",
     "2tw": "2t, imports after PF.wait_imports()",
+    "2tb": "2tw + the restore beside the imports (2b)",
     "2tx": "2tw, weights read by a helper process",
     "2ty": "2t, weights read by a helper process",
     "2tn": "2t, prefetch priority normal",
@@ -142,6 +153,29 @@ def fix_rotary(model, dev):
 '''
 
 
+KERNEL_WARM = '''
+def _warm_kernels():
+    """The first forward's one-time costs, paid on dummy tensors: the cuBLAS handle and workspace
+    and the GEMM kernels of the model's weight shapes (1 token), the attention kernel."""
+    cfg = json.load(open(os.path.join(DIR, "config.json")))
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    d = h // heads
+    with torch.inference_mode():
+        x = torch.zeros(1, 1, h, dtype=torch.bfloat16, device=DEV)
+        for n, k in ((heads * d, h), (kv * d, h), (h, heads * d), (i, h), (h, i), (v, h)):
+            xi = x if k == h else torch.zeros(1, 1, k, dtype=torch.bfloat16, device=DEV)
+            torch.nn.functional.linear(xi, torch.zeros(n, k, dtype=torch.bfloat16, device=DEV))
+        q = torch.zeros(1, heads, 1, d, dtype=torch.bfloat16, device=DEV)
+        kk = torch.zeros(1, heads, 1, d, dtype=torch.bfloat16, device=DEV)
+        torch.nn.functional.scaled_dot_product_attention(q, kk, kk, is_causal=False)
+        SYNC
+    T["kernels_warm_done"] = time.time()
+import os
+threading.Thread(target=_warm_kernels, daemon=True).start()
+'''
+
+
 def child_program(variant: str, directory: str, device: str, trace: str = DEFAULT_TRACE,
                   rate: float = DEFAULT_RATE, tune: str = "", step: int | None = None, warm_set: str = "") -> str:
     """The ``python -c`` program of one variant. Stamps are time.time() (comparable with the
@@ -169,7 +203,25 @@ import foxhunt_stream as fs
 T["prefetch_started"] = time.time()
 """ + ("""PF.wait_imports()
 T["code_warmed"] = time.time()
-""" if variant in ("2tw", "2tx") else "")
+""" if variant in ("2tw", "2tx", "2tb") else "")
+    if variant in BACKGROUND:
+        pre = ("" if variant in TRACED else """
+import foxhunt_stream as fs
+""") + pre + """
+WARMING = fs.warmup(DEV, background=True)   # cupy, context, pinned pool: beside import torch
+"""
+        bg = f"""
+import torch
+T["import_torch"] = time.time()
+{init}
+T["cuda_init"] = time.time()
+import foxhunt_stream.torch
+H = fs.torch.load_file({directory!r}, device=DEV, background=True)
+T["load_started"] = time.time()
+import threading
+threading.Thread(target=lambda: (H._landing.job._done.wait(), T.__setitem__("bg_load_done", time.time())),
+                 daemon=True).start()
+""" + (KERNEL_WARM.replace("SYNC", sync) if variant == "2bk" else "")
     sample = os.environ.get("STALL_SAMPLE_DIR")   # --stall-sample: where the main thread waits
     sampler = (f"import benchmarks.stall_sampler as _ss; "
                f"_ss.start({os.path.join(sample, '')!r} + {variant!r} + '_%d.json' % time.time_ns())\n"
@@ -178,17 +230,17 @@ T["code_warmed"] = time.time()
 import time
 T = {{"start": time.time()}}
 {sampler}NOTES = []
+DIR, DEV = {directory!r}, {device!r}
 {pre}
 import json, sys
-import torch
+""" + (bg if variant in BACKGROUND else """import torch
 T["import_torch"] = time.time()
-import transformers
+""") + """import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 T["import_transformers"] = time.time()
-DIR, DEV = {directory!r}, {device!r}
-{init}
+""" + ("" if variant in BACKGROUND else f"""{init}
 T["cuda_init"] = time.time()
-{HELPERS}
+""") + f"""{HELPERS}
 def meta_model():
     config = AutoConfig.from_pretrained(DIR)
     torch.set_default_dtype(torch.bfloat16)
@@ -232,6 +284,24 @@ except ValueError as e:
 T["load"] = time.time()
 forward(model)
 T["forward"] = time.time()
+"""
+    elif variant in BACKGROUND:
+        body = """
+model = meta_model()
+T["meta_model"] = time.time()
+missing, unexpected = fs.torch.load_model(model, H)
+assert not missing and not unexpected, (missing, unexpected)
+T["load_wait"] = time.time()
+fix_rotary(model, DEV)
+forward(model)
+T["forward"] = time.time()
+WARMUP = WARMING.result()
+"""
+        if variant in TRACED:
+            body += """
+T["prefetch_bytes"] = PF.bytes_done
+T["prefetch_total"] = PF.nbytes
+T["prefetch_module_bytes"] = PF.module_bytes
 """
     elif variant in ("2", "2w", "2p") + TRACED:
         body = """
@@ -334,6 +404,10 @@ def run_variant(variant: str, directory: str, device: str, timeout: float, trace
     for k in PREFETCH_KEYS:
         if k in stamps:
             out[k] = stamps[k]
+    if "bg_load_done" in stamps:   # 2b: the restore's own wall time, beside the imports
+        out["bg_load_s"] = stamps["bg_load_done"] - stamps["load_started"]
+    if "kernels_warm_done" in stamps:
+        out["kernels_warm_s"] = stamps["kernels_warm_done"] - stamps["load_started"]
     return out
 
 
@@ -341,7 +415,7 @@ def _phases(spawn: float, stamps: dict) -> dict:
     """Durations between consecutive stamps, the first measured from the spawn."""
     out, prev = {}, spawn
     for k, v in stamps.items():
-        if k in PREFETCH_KEYS:
+        if k in SIDE_KEYS:
             continue
         out["python_start" if k == "start" else k] = v - prev
         prev = v

@@ -405,6 +405,11 @@ class LoadHandle:
         self._result: dict | None = None
         self._closed = False
 
+    @property
+    def names(self) -> list[str]:
+        """The tensors this load fills, in file order."""
+        return list(self._names)
+
     def wait(self, name: str):
         try:
             self._landing.wait_dest(self._pos[name])

@@ -219,7 +219,18 @@ def load_model(model: torch.nn.Module, filename: str | os.PathLike, strict: bool
     weights) or ``materialize=True``, which does it here on ``device``, keeping ties (see
     ``materialize``). ``source`` may also be a list, an index.json or a directory; options
     as for ``load_into``.
+
+    ``source`` may also be the handle of a load already running, ``load_file(..., device=...,
+    background=True)``, started before the model existed (say, before ``import transformers``),
+    so that the I/O overlaps the imports and the model's construction. Then the model's meta
+    tensors take the loaded tensors themselves (as ``load_state_dict(assign=True)``, tied ones
+    stay tied, a dtype that differs is cast); tensors that have storage are copied into.
     """
+    if isinstance(filename, _loader.LoadHandle):
+        if options or materialize:
+            raise TypeError("load_model(model, handle): the load is already running; pass its options "
+                            f"to load_file(..., background=True), not here ({sorted(options) or 'materialize'})")
+        return _load_from_handle(model, filename, strict)
     state = model.state_dict(keep_vars=True)
     on_meta = [n for n, t in state.items() if t.is_meta]
     if on_meta:
@@ -270,6 +281,60 @@ def load_model(model: torch.nn.Module, filename: str | os.PathLike, strict: bool
         raise LoadModelError(model_name, e.problems, missing=sorted(missing), unexpected=unexpected) from e
     if indirect:
         _load_indirect(model, ck, {n: store[n] for n in indirect}, options)
+    return missing, unexpected
+
+
+def _tied_names(state: Mapping[str, torch.Tensor], preferred_names) -> dict[str, list[str]]:
+    """``{kept name: [aliases]}``: storage shared as ``shared_aliases`` finds it, and on the meta
+    device (no storage to compare) the same tensor object under several names."""
+    aliases = shared_aliases(state, preferred_names=preferred_names)
+    by_object: dict[int, list[str]] = defaultdict(list)
+    for name, t in state.items():
+        if t.is_meta:
+            by_object[id(t)].append(name)
+    preferred = set(preferred_names)
+    for names in by_object.values():
+        if len(names) > 1:
+            keep = sorted(set(names) & preferred or names)[0]
+            aliases[keep] = sorted(n for n in names if n != keep)
+    return aliases
+
+
+def _load_from_handle(model: torch.nn.Module, handle, strict: bool) -> tuple[set[str], list[str]]:
+    """``load_model`` from a running background load: wait for it, then hand its tensors over."""
+    state = model.state_dict(keep_vars=True)
+    file_names = handle.names
+    aliases = _tied_names(state, file_names)
+    dropped = {n for names in aliases.values() for n in names}
+    store = {n: t for n, t in state.items() if n not in dropped}
+    missing = {n for n in store if n not in set(file_names)}
+    unexpected = [n for n in file_names if n not in store]
+    model_name = type(model).__name__
+    if strict and (missing or unexpected):
+        raise LoadModelError(model_name, [], missing=sorted(missing), unexpected=unexpected)
+    loaded = handle.result()   # a worker's error surfaces here
+    problems = [f"{n}: shape {list(store[n].shape)} in the model, {list(t.shape)} in the file"
+                for n, t in loaded.items() if n in store and tuple(store[n].shape) != tuple(t.shape)]
+    if problems:
+        raise LoadModelError(model_name, problems, missing=sorted(missing), unexpected=unexpected)
+    replacement: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for n, t in loaded.items():
+            old = store.get(n)
+            if old is None:
+                continue
+            if not old.is_meta:   # real storage (maybe elsewhere, maybe another dtype): fill it in place
+                old.copy_(t)
+                continue
+            if t.dtype != old.dtype:
+                t = t.to(old.dtype)
+            replacement[id(old)] = (torch.nn.Parameter(t, requires_grad=old.requires_grad)
+                                    if isinstance(old, torch.nn.Parameter) else t)
+    for mod in model.modules():   # every place a replaced tensor sits, tied ones included
+        for table in (mod._parameters, mod._buffers):
+            for key, t in table.items():
+                if t is not None and id(t) in replacement:
+                    table[key] = replacement[id(t)]
     return missing, unexpected
 
 

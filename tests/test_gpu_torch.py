@@ -110,6 +110,22 @@ def test_meta_to_empty_then_load(tmp_path):
     _same(m, src)
 
 
+def test_load_model_from_a_background_load_on_the_gpu(tmp_path):
+    """Started before the model exists; the meta model takes the GPU tensors themselves."""
+    src = _filled(9, torch.bfloat16)
+    path = tmp_path / "m.safetensors"
+    fst.save_model(src, path)
+    handle = fst.load_file(path, device=DEV, background=True)
+    with torch.device("meta"):
+        m = Net().to(torch.bfloat16)
+    assert fst.load_model(m, handle) == (set(), [])
+    assert m.lin.weight.device == torch.device(DEV) and m.head.weight is m.emb.weight
+    assert m.lin.weight.data_ptr() == handle.result()["lin.weight"].data_ptr()
+    row = m.emb(torch.tensor([3], device=DEV))   # usable at once on torch's stream
+    assert torch.equal(row.cpu(), src.emb.weight[3:4].detach())
+    _same(m, src)
+
+
 def test_cast_on_the_gpu(tmp_path):
     src = _filled(6)
     path = tmp_path / "m.safetensors"

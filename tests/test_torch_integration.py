@@ -217,6 +217,80 @@ def test_materialize_keeps_ties_and_names_unfilled_buffers(tmp_path):
     _same_state(m, src)
 
 
+def test_load_model_from_a_background_load_started_before_the_model(tmp_path):
+    """The cold-start order: the restore runs while the model is built on meta; the meta
+    tensors then take the loaded tensors themselves, tied ones still tied."""
+    src = _filled(30)
+    path = tmp_path / "m.safetensors"
+    fst.save_model(src, path)
+    handle = fst.load_file(path, background=True)
+    with torch.device("meta"):
+        m = Net()
+    assert fst.load_model(m, handle) == (set(), [])
+    loaded = handle.result()
+    assert m.lin.weight.data_ptr() == loaded["lin.weight"].data_ptr()   # assigned, not copied
+    assert isinstance(m.lin.weight, torch.nn.Parameter) and m.lin.weight.requires_grad
+    assert m.head.weight is m.emb.weight and isinstance(m.steps, torch.Tensor) and not m.steps.is_meta
+    _same_state(m, src)
+    assert m.scratch.is_meta   # non-persistent: no file holds it, as with load_state_dict(assign=True)
+
+
+def test_load_model_from_a_handle_reports_and_refuses_like_the_path_form(tmp_path):
+    path = tmp_path / "m.safetensors"
+    fst.save_model(_filled(31, extra=True), path)
+    with torch.device("meta"):
+        m = Net(tied=False)
+    with pytest.raises(fst.LoadModelError, match="Unexpected key") as ei:
+        fst.load_model(m, fst.load_file(path, background=True))
+    assert sorted(ei.value.unexpected) == ["more.bias", "more.weight"] and ei.value.missing == ["head.weight"]
+    assert m.lin.weight.is_meta                      # nothing half-assigned
+    missing, unexpected = fst.load_model(m, fst.load_file(path, background=True), strict=False)
+    assert missing == {"head.weight"} and sorted(unexpected) == ["more.bias", "more.weight"]
+    assert not m.lin.weight.is_meta and m.head.weight.is_meta
+    bad = tmp_path / "bad.safetensors"
+    fs.save_file({"lin.weight": torch.zeros(4, 8)}, bad)
+    with torch.device("meta"):
+        m2 = Net()
+    with pytest.raises(fst.LoadModelError, match="lin.weight: shape"):
+        fst.load_model(m2, fst.load_file(bad, background=True), strict=False)
+    assert m2.lin.weight.is_meta
+    with pytest.raises(TypeError, match="background=True"):
+        fst.load_model(m2, fst.load_file(path, background=True), threads=2)
+
+
+def test_load_model_from_a_handle_fills_real_tensors_in_place_and_casts(tmp_path):
+    src = _filled(32)
+    path = tmp_path / "m.safetensors"
+    fst.save_model(src, path)                       # float32 file
+    dst = _filled(33).to(torch.bfloat16)            # real storage, another dtype
+    ptrs = {n: t.data_ptr() for n, t in dst.state_dict().items()}
+    assert fst.load_model(dst, fst.load_file(path, background=True)) == (set(), [])
+    assert {n: t.data_ptr() for n, t in dst.state_dict().items()} == ptrs
+    assert torch.equal(dst.lin.weight, src.lin.weight.to(torch.bfloat16)) and dst.head.weight is dst.emb.weight
+    with torch.device("meta"):
+        m = Net().to(torch.bfloat16)                # meta, another dtype: the loaded tensor is cast
+    fst.load_model(m, fst.load_file(path, background=True))
+    assert m.lin.weight.dtype == torch.bfloat16 and torch.equal(m.lin.weight, src.lin.weight.to(torch.bfloat16))
+
+
+def test_load_model_from_a_failed_background_load_raises_its_error(tmp_path):
+    src = _filled(34)
+    path = tmp_path / "m.safetensors"
+    fst.save_model(src, path)
+    lo, hi = _range_of(str(path), "lin.weight")
+
+    def hook(s, offset, length):
+        if lo <= offset < hi:
+            raise OSError(errno.EIO, "injected")
+    source.fault_hook = hook
+    handle = fst.load_file(path, background=True, chunk_bytes=4096)
+    with torch.device("meta"):
+        m = Net()
+    with pytest.raises(OSError, match="injected"):
+        fst.load_model(m, handle)
+    assert m.lin.weight.is_meta and m.emb.weight.is_meta and not _foxhunt_threads()
+
+
 def test_load_file_and_save_file_are_drop_ins(tmp_path):
     t = {"a": torch.randn(5, 3).to(torch.bfloat16), "b": torch.arange(6, dtype=torch.int32),
          "c": torch.randn(4, 4)[:, 1:3]}   # non-contiguous is saved as its values

@@ -14,9 +14,11 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
     1   AutoModelForCausalLM.from_pretrained(dir, dtype=bfloat16, device_map=device)
     2   meta model + to_empty + fs.torch.load_model (fs.warmup timed separately)
     2w  2, with fs.warmup(DEV, background=True) right after importing foxhunt_stream
-    2b  the restore overlaps the imports: fs.warmup(background=True) first, then import torch,
-        start CUDA, ``H = fs.torch.load_file(dir, device=DEV, background=True)``, then import
-        transformers, build on meta and ``fs.torch.load_model(model, H)`` (assigns the tensors)
+    2b  the restore overlaps the imports: import torch, start CUDA, ``H = fs.torch.load_file(dir,
+        device=DEV, background=True)``, then import transformers, build on meta and
+        ``fs.torch.load_model(model, H)`` (the meta tensors take the loaded ones). (Session 7's
+        first form also ran ``fs.warmup(background=True)`` before import torch: that import took
+        ~1 s longer, the CUDA driver and context starting beside it.)
     2bk 2b, and a thread runs the model's GEMM shapes and attention once on dummy tensors while
         the imports run (cuBLAS handle, lazily loaded kernels: the first forward's own costs)
     2p  2, with fs.prefetch(dir, modules=("torch", "nvidia", "transformers")) as the very first
@@ -205,10 +207,8 @@ T["prefetch_started"] = time.time()
 T["code_warmed"] = time.time()
 """ if variant in ("2tw", "2tx", "2tb") else "")
     if variant in BACKGROUND:
-        pre = ("" if variant in TRACED else """
+        pre = pre or """
 import foxhunt_stream as fs
-""") + pre + """
-WARMING = fs.warmup(DEV, background=True)   # cupy, context, pinned pool: beside import torch
 """
         bg = f"""
 import torch
@@ -295,7 +295,6 @@ T["load_wait"] = time.time()
 fix_rotary(model, DEV)
 forward(model)
 T["forward"] = time.time()
-WARMUP = WARMING.result()
 """
         if variant in TRACED:
             body += """

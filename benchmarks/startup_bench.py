@@ -179,7 +179,8 @@ threading.Thread(target=_warm_kernels, daemon=True).start()
 
 
 def child_program(variant: str, directory: str, device: str, trace: str = DEFAULT_TRACE,
-                  rate: float = DEFAULT_RATE, tune: str = "", step: int | None = None, warm_set: str = "") -> str:
+                  rate: float = DEFAULT_RATE, tune: str = "", step: int | None = None, warm_set: str = "",
+                  bg_options: str = "") -> str:
     """The ``python -c`` program of one variant. Stamps are time.time() (comparable with the
     parent's spawn time); the last line printed is ``RESULT {json}``."""
     cuda = device.startswith("cuda")
@@ -216,7 +217,7 @@ T["import_torch"] = time.time()
 {init}
 T["cuda_init"] = time.time()
 import foxhunt_stream.torch
-H = fs.torch.load_file({directory!r}, device=DEV, background=True)
+H = fs.torch.load_file({directory!r}, device=DEV, background=True{", " + bg_options if bg_options else ""})
 T["load_started"] = time.time()
 import threading
 threading.Thread(target=lambda: (H._landing.job._done.wait(), T.__setitem__("bg_load_done", time.time())),
@@ -376,10 +377,11 @@ def warm_cache(files: list[str]) -> None:
 
 
 def run_variant(variant: str, directory: str, device: str, timeout: float, trace: str = DEFAULT_TRACE,
-                rate: float = DEFAULT_RATE, tune: str = "", step: int | None = None, warm_set: str = "") -> dict:
+                rate: float = DEFAULT_RATE, tune: str = "", step: int | None = None, warm_set: str = "",
+                bg_options: str = "") -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    code = child_program(variant, directory, device, trace, rate, tune, step, warm_set)
+    code = child_program(variant, directory, device, trace, rate, tune, step, warm_set, bg_options)
     spawn = time.time()
     try:
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
@@ -565,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--imports-trace", default=DEFAULT_TRACE,
                     help=f"variant 2t's import trace (written by each 2t run; default {DEFAULT_TRACE})")
     ap.add_argument("--prefetch-rate", type=float, default=DEFAULT_RATE, help="variant 2tr's max_rate, bytes/s")
+    ap.add_argument("--bg-options", default="",
+                    help="more keyword arguments for the 2b variants' background load_file, e.g. 'threads=4'")
     ap.add_argument("--prefetch-options", default="",
                     help="more keyword arguments for the 2t variants' fs.prefetch, e.g. 'threads=4'")
     ap.add_argument("--prefetch-step", type=int, default=None,
@@ -619,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     drop_caches()
                 r = run_variant(v, directory, args.device, args.timeout, args.imports_trace, args.prefetch_rate,
-                                args.prefetch_options, args.prefetch_step, args.prefetch_set)
+                                args.prefetch_options, args.prefetch_step, args.prefetch_set, args.bg_options)
                 r.update(variant=v, mode=mode, repeat=rep)
                 runs.append(r)
                 status = f"{r['total_s']:.2f} s" if "total_s" in r else "FAILED: " + r["error"].splitlines()[-1][:200]

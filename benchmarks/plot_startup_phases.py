@@ -1,20 +1,22 @@
 #!/usr/bin/env python
 """Stacked phases of startup_bench runs, one bar per run, grouped by the file they came from:
 
-    python benchmarks/plot_startup_phases.py out.png run1.json run2.json ... [--variants 1,2t,2tr]
+    python benchmarks/plot_startup_phases.py out.png run1.json run2.json ... [--variants 1,2t,2tr] [--median]
 
 Shows where a variant's seconds go (imports, CUDA + model + warmup, load, forward), so a
-prefetch that slows the imports by what it saves in the load is visible at a glance."""
+prefetch that slows the imports by what it saves in the load is visible at a glance. With
+``--median`` one bar per variant over all the files: each phase group's median across its runs."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 
 GROUPS = (("imports", ("python_start", "prefetch_started", "code_warmed", "import_torch", "import_transformers"), "#7570b3"),
           ("CUDA, model, warmup", ("cuda_init", "import_foxhunt", "meta_model", "to_empty", "fs_warmup"), "#bbbbbb"),
-          ("load", ("load",), "#d95f02"),
+          ("load", ("load", "load_started", "load_wait"), "#d95f02"),
           ("forward", ("forward",), "#1b9e77"))
 
 
@@ -23,6 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("png")
     ap.add_argument("json", nargs="+")
     ap.add_argument("--variants", default="1,2t,2tn,2tr,2T")
+    ap.add_argument("--median", action="store_true", help="one bar per variant: median of each phase group")
     ap.add_argument("--title", default="cold start (drop_caches), seconds from spawn to first forward")
     args = ap.parse_args(argv)
     import matplotlib
@@ -36,6 +39,17 @@ def main(argv=None) -> int:
             runs = [r for r in json.load(f)["runs"] if r.get("variant") in keep and "phases_s" in r]
         tag = os.path.splitext(os.path.basename(path))[0].rsplit("_", 1)[-1]   # "call5", "2t-16M-2r"
         bars += [(f"{r['variant']}\n{tag}", r) for r in sorted(runs, key=lambda r: keep.index(r["variant"]))]
+    if args.median:
+        pooled = []
+        for v in keep:
+            rs = [r for _, r in bars if r["variant"] == v]
+            if not rs:
+                continue
+            phases = {k: statistics.median(r["phases_s"].get(k, 0.0) for r in rs)
+                      for _, keys, _ in GROUPS for k in keys}
+            pooled.append((f"{v}\n{len(rs)} runs", {"variant": v, "phases_s": phases,
+                                                     "total_s": statistics.median(r["total_s"] for r in rs)}))
+        bars = pooled
     fig, ax = plt.subplots(figsize=(0.55 * len(bars) + 2.5, 4.8))
     for i, (_, r) in enumerate(bars):
         bottom = 0.0

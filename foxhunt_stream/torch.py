@@ -203,7 +203,7 @@ _materialize = materialize   # load_model's keyword of the same name hides it th
 
 
 @_loader._reopen_if_replaced   # a file replaced under us: start over from the new headers
-def load_model(model: torch.nn.Module, filename: str | os.PathLike, strict: bool = True,
+def load_model(model: torch.nn.Module, filename: str | os.PathLike | _loader.LoadHandle, strict: bool = True,
                device: str | int | torch.device | None = "cpu", *, materialize: bool = False,
                **options) -> tuple[set[str], list[str]]:
     """``safetensors.torch.load_model``: fill ``model``'s parameters and buffers from a checkpoint.

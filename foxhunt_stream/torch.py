@@ -175,21 +175,7 @@ def materialize(model: torch.nn.Module, device: str | int | torch.device = "cpu"
     initialise those (a MaterializeWarning lists them too).
     """
     dev = torch.device(str(parse_device(device)))
-    memo: dict[int, torch.Tensor] = {}
-    done: list[str] = []
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        for table in (mod._parameters, mod._buffers):
-            for key, t in table.items():
-                if t is None or not t.is_meta:
-                    continue
-                new = memo.get(id(t))
-                if new is None:
-                    data = torch.empty_like(t, device=dev)
-                    new = torch.nn.Parameter(data, requires_grad=t.requires_grad) \
-                        if isinstance(t, torch.nn.Parameter) else data
-                    memo[id(t)] = new
-                table[key] = new
-                done.append(f"{mod_name}.{key}" if mod_name else key)
+    done = _swap_tensors(model, lambda t: torch.empty_like(t, device=dev) if t.is_meta else None)
     persistent = set(model.state_dict().keys())
     unfilled = sorted({n for n in done if n not in persistent})
     if unfilled:
@@ -200,6 +186,43 @@ def materialize(model: torch.nn.Module, device: str | int | torch.device = "cpu"
 
 
 _materialize = materialize   # load_model's keyword of the same name hides it there
+
+
+def _swap_tensors(model: torch.nn.Module, new_data) -> list[str]:
+    """Put ``new_data(t)`` in place of each parameter and buffer ``t`` it gives data for (None:
+    keep ``t``), wherever ``t`` sits, so tied tensors stay one tensor and parameters stay
+    parameters. Returns the names replaced, aliases included."""
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id -> (old, new): old kept alive, ids stay unique
+    done: list[str] = []
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for table in (mod._parameters, mod._buffers):
+            for key, t in table.items():
+                if t is None:
+                    continue
+                seen = memo.get(id(t))
+                if seen is None:
+                    data = new_data(t)
+                    if data is None:
+                        continue
+                    seen = memo[id(t)] = (t, torch.nn.Parameter(data, requires_grad=t.requires_grad)
+                                          if isinstance(t, torch.nn.Parameter) else data)
+                table[key] = seen[1]
+                done.append(f"{mod_name}.{key}" if mod_name else key)
+    return done
+
+
+def _match_names(model: torch.nn.Module, state: Mapping[str, torch.Tensor], file_names: list[str],
+                 aliases: Mapping[str, list[str]], strict: bool) -> tuple[dict, set[str], list[str]]:
+    """The model's tensors a file of ``file_names`` fills (one name per tied group) and the
+    reference's ``(missing, unexpected)``; with ``strict`` either raises LoadModelError."""
+    dropped = {n for names in aliases.values() for n in names}
+    store = {n: t for n, t in state.items() if n not in dropped}
+    in_file = set(file_names)
+    missing = {n for n in store if n not in in_file}
+    unexpected = [n for n in file_names if n not in store]
+    if strict and (missing or unexpected):
+        raise LoadModelError(type(model).__name__, [], missing=sorted(missing), unexpected=unexpected)
+    return store, missing, unexpected
 
 
 @_loader._reopen_if_replaced   # a file replaced under us: start over from the new headers
@@ -243,14 +266,9 @@ def load_model(model: torch.nn.Module, filename: str | os.PathLike | _loader.Loa
 
     ck = open_checkpoint(filename)
     file_names = ck.file_order()
-    aliases = shared_aliases(state, preferred_names=file_names)
-    dropped = {n for names in aliases.values() for n in names}
-    store = {n: t for n, t in state.items() if n not in dropped}
-    missing = {n for n in store if n not in ck.names}
-    unexpected = [n for n in file_names if n not in store]
+    store, missing, unexpected = _match_names(model, state, file_names,
+                                              shared_aliases(state, preferred_names=file_names), strict)
     model_name = type(model).__name__
-    if strict and (missing or unexpected):
-        raise LoadModelError(model_name, [], missing=sorted(missing), unexpected=unexpected)
 
     owned = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
     fw = TorchFramework()
@@ -304,20 +322,14 @@ def _load_from_handle(model: torch.nn.Module, handle, strict: bool) -> tuple[set
     """``load_model`` from a running background load: wait for it, then hand its tensors over."""
     state = model.state_dict(keep_vars=True)
     file_names = handle.names
-    aliases = _tied_names(state, file_names)
-    dropped = {n for names in aliases.values() for n in names}
-    store = {n: t for n, t in state.items() if n not in dropped}
-    missing = {n for n in store if n not in set(file_names)}
-    unexpected = [n for n in file_names if n not in store]
+    store, missing, unexpected = _match_names(model, state, file_names, _tied_names(state, file_names), strict)
     model_name = type(model).__name__
-    if strict and (missing or unexpected):
-        raise LoadModelError(model_name, [], missing=sorted(missing), unexpected=unexpected)
     loaded = handle.result()   # a worker's error surfaces here
     problems = [f"{n}: shape {list(store[n].shape)} in the model, {list(t.shape)} in the file"
                 for n, t in loaded.items() if n in store and tuple(store[n].shape) != tuple(t.shape)]
     if problems:
         raise LoadModelError(model_name, problems, missing=sorted(missing), unexpected=unexpected)
-    replacement: dict[int, torch.Tensor] = {}
+    data_for: dict[int, torch.Tensor] = {}   # the olds stay alive in `store`: their ids are unique
     with torch.no_grad():
         for n, t in loaded.items():
             old = store.get(n)
@@ -325,16 +337,9 @@ def _load_from_handle(model: torch.nn.Module, handle, strict: bool) -> tuple[set
                 continue
             if not old.is_meta:   # real storage (maybe elsewhere, maybe another dtype): fill it in place
                 old.copy_(t)
-                continue
-            if t.dtype != old.dtype:
-                t = t.to(old.dtype)
-            replacement[id(old)] = (torch.nn.Parameter(t, requires_grad=old.requires_grad)
-                                    if isinstance(old, torch.nn.Parameter) else t)
-    for mod in model.modules():   # every place a replaced tensor sits, tied ones included
-        for table in (mod._parameters, mod._buffers):
-            for key, t in table.items():
-                if t is not None and id(t) in replacement:
-                    table[key] = replacement[id(t)]
+            else:
+                data_for[id(old)] = t if t.dtype == old.dtype else t.to(old.dtype)
+    _swap_tensors(model, lambda t: data_for.get(id(t)))
     return missing, unexpected
 
 

@@ -15,7 +15,12 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
     2   meta model + to_empty + fs.torch.load_model (fs.warmup timed separately)
     2w  2, with fs.warmup(DEV, background=True) right after importing foxhunt_stream
     2wk 2w, and the kernel warm of 2bk started at the same point (after the imports): both
-        overlap building the model, not the imports (not yet measured)
+        overlap building the model, not the imports
+    2s  meta model, then ``H = fs.torch.load_file(dir, device=DEV, background=True)`` and
+        ``fs.torch.load_model(model, H, wait=False)``: the forward starts at once, each module
+        waiting for its own tensors, so its one-time costs (kernel loading, cuBLAS, rotary tables)
+        overlap the load instead of following it
+    2sw 2s, with fs.warmup(DEV, background=True) right after importing foxhunt_stream
     2b  the restore overlaps the imports: import torch, start CUDA, ``H = fs.torch.load_file(dir,
         device=DEV, background=True)``, then import transformers, build on meta and
         ``fs.torch.load_model(model, H)`` (the meta tensors take the loaded ones). (Session 7's
@@ -30,6 +35,7 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
         in the order they were needed, then the weights; a cold run with no trace yet gets a
         hot 2t run first that records one (not counted)
     2tw 2t, but the imports start only once the trace's files are read (``PF.wait_imports()``)
+    2ts 2tw, then as 2s (the streamed forward)
     2tb 2tw, then as 2b: the restore runs beside import transformers while the prefetch still reads
     2tx 2tw with ``helper_process=True`` spelled out (the default since session 6: the weights
         read by a child process, no GIL shared; with ``helper_process=False`` before)
@@ -66,8 +72,10 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2w", "2wk", "2b", "2bk", "2p", "2t", "2tw", "2tb", "2tx", "2ty", "2tn", "2tr", "2T", "3")
-TRACED = ("2t", "2tw", "2tb", "2tx", "2ty", "2tn", "2tr", "2T")
+VARIANTS = ("F", "E", "1", "2", "2w", "2wk", "2s", "2sw", "2b", "2bk", "2p", "2t", "2tw", "2ts", "2tb", "2tx", "2ty",
+            "2tn", "2tr", "2T", "3")
+TRACED = ("2t", "2tw", "2ts", "2tb", "2tx", "2ty", "2tn", "2tr", "2T")
+STREAMED = ("2s", "2sw", "2ts")   # load_model(model, handle, wait=False): the forward streams behind the load
 BACKGROUND = ("2b", "2bk", "2tb")   # the restore starts before import transformers
 DEFAULT_RATE = 1e9
 PREFETCH_KEYS = ("prefetch_bytes", "prefetch_total", "prefetch_module_bytes", "prefetch_bytes_at_load")
@@ -81,11 +89,14 @@ LABELS = {
     "2": "meta + to_empty + fs.torch.load_model",
     "2w": "2 + fs.warmup(background=True) first",
     "2wk": "2w + kernels warmed beside the model build",
+    "2s": "meta + load_model(wait=False), streamed forward",
+    "2sw": "2s + fs.warmup(background=True) first",
     "2b": "restore beside the imports + load_model",
     "2bk": "2b + kernels warmed meanwhile",
     "2p": "2 + fs.prefetch first",
     "2t": "2 + fs.prefetch(imports=trace) first",
     "2tw": "2t, imports after PF.wait_imports()",
+    "2ts": "2tw + the streamed forward (2s)",
     "2tb": "2tw + the restore beside the imports (2b)",
     "2tx": "2tw, weights read by a helper process",
     "2ty": "2t, weights read by a helper process",
@@ -210,7 +221,7 @@ import foxhunt_stream as fs
 T["prefetch_started"] = time.time()
 """ + ("""PF.wait_imports()
 T["code_warmed"] = time.time()
-""" if variant in ("2tw", "2tx", "2tb") else "")
+""" if variant in ("2tw", "2ts", "2tx", "2tb") else "")
     if variant in BACKGROUND:
         pre = pre or """
 import foxhunt_stream as fs
@@ -299,6 +310,33 @@ assert not missing and not unexpected, (missing, unexpected)
 T["load_wait"] = time.time()
 fix_rotary(model, DEV)
 forward(model)
+T["forward"] = time.time()
+"""
+        if variant in TRACED:
+            body += """
+T["prefetch_bytes"] = PF.bytes_done
+T["prefetch_total"] = PF.nbytes
+T["prefetch_module_bytes"] = PF.module_bytes
+"""
+    elif variant in STREAMED:
+        body = """
+import foxhunt_stream as fs
+import foxhunt_stream.torch
+T["import_foxhunt"] = time.time()
+""" + ("""WARMING = fs.warmup(DEV, background=True)   # overlaps building the model; the load waits for its pool
+""" if variant == "2sw" else "") + """model = meta_model()
+T["meta_model"] = time.time()
+""" + ("""T["prefetch_bytes_at_load"] = PF.bytes_done
+""" if variant in TRACED else "") + """H = fs.torch.load_file(DIR, device=DEV, background=True)
+SL = fs.torch.load_model(model, H, wait=False)
+assert not SL.missing and not SL.unexpected, (SL.missing, SL.unexpected)
+T["load_started"] = time.time()
+import threading
+threading.Thread(target=lambda: (H._landing.job._done.wait(), T.__setitem__("bg_load_done", time.time())),
+                 daemon=True).start()
+fix_rotary(model, DEV)
+forward(model)
+assert SL.done()
 T["forward"] = time.time()
 """
         if variant in TRACED:
@@ -411,7 +449,7 @@ def run_variant(variant: str, directory: str, device: str, timeout: float, trace
     for k in PREFETCH_KEYS:
         if k in stamps:
             out[k] = stamps[k]
-    if "bg_load_done" in stamps:   # 2b: the restore's own wall time, beside the imports
+    if "bg_load_done" in stamps:   # 2b, 2s: the restore's own wall time, beside the imports or the forward
         out["bg_load_s"] = stamps["bg_load_done"] - stamps["load_started"]
     if "kernels_warm_done" in stamps:
         out["kernels_warm_s"] = stamps["kernels_warm_done"] - stamps.get("kernels_from", stamps.get("load_started"))

@@ -410,6 +410,12 @@ class LoadHandle:
         """The tensors this load fills, in file order."""
         return list(self._names)
 
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of the array each tensor lands as (a slice's, with ``shard``; sub-byte types
+        packed in bytes), known from the headers before any byte has landed."""
+        return {n: host_shape(d.dtype, tuple(d.shape)) for n, d in zip(self._names, self._landing.plan.destinations)}
+
     def wait(self, name: str):
         try:
             self._landing.wait_dest(self._pos[name])

@@ -37,7 +37,7 @@ from foxhunt_stream.frameworks import TorchFramework
 log = logging.getLogger("foxhunt_stream")
 
 __all__ = ["load_file", "save_file", "load_model", "save_model", "materialize", "LoadModelError",
-           "MaterializeWarning"]
+           "MaterializeWarning", "StreamedLoad"]
 
 
 class LoadModelError(StoreMismatchError, RuntimeError):
@@ -188,26 +188,35 @@ def materialize(model: torch.nn.Module, device: str | int | torch.device = "cpu"
 _materialize = materialize   # load_model's keyword of the same name hides it there
 
 
+def _tensor_places(model: torch.nn.Module) -> dict[int, tuple[torch.Tensor, list[tuple[dict, str, str]]]]:
+    """``{id(t): (t, [(table, key, name), ...])}`` for each parameter and buffer ``t``: every slot
+    that holds it (tied tensors sit in several), so that replacing it keeps ties tied."""
+    places: dict[int, tuple[torch.Tensor, list]] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for table in (mod._parameters, mod._buffers):
+            for key, t in table.items():
+                if t is not None:
+                    places.setdefault(id(t), (t, []))[1].append((table, key, f"{mod_name}.{key}" if mod_name else key))
+    return places
+
+
+def _put(old: torch.Tensor, slots: list[tuple[dict, str, str]], data: torch.Tensor) -> list[str]:
+    """Put ``data`` in every slot of ``old`` (a parameter stays a parameter); returns the names."""
+    new = torch.nn.Parameter(data, requires_grad=old.requires_grad) if isinstance(old, torch.nn.Parameter) else data
+    for table, key, _ in slots:
+        table[key] = new
+    return [name for _, _, name in slots]
+
+
 def _swap_tensors(model: torch.nn.Module, new_data) -> list[str]:
     """Put ``new_data(t)`` in place of each parameter and buffer ``t`` it gives data for (None:
     keep ``t``), wherever ``t`` sits, so tied tensors stay one tensor and parameters stay
     parameters. Returns the names replaced, aliases included."""
-    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id -> (old, new): old kept alive, ids stay unique
     done: list[str] = []
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        for table in (mod._parameters, mod._buffers):
-            for key, t in table.items():
-                if t is None:
-                    continue
-                seen = memo.get(id(t))
-                if seen is None:
-                    data = new_data(t)
-                    if data is None:
-                        continue
-                    seen = memo[id(t)] = (t, torch.nn.Parameter(data, requires_grad=t.requires_grad)
-                                          if isinstance(t, torch.nn.Parameter) else data)
-                table[key] = seen[1]
-                done.append(f"{mod_name}.{key}" if mod_name else key)
+    for old, slots in _tensor_places(model).values():
+        data = new_data(old)
+        if data is not None:
+            done += _put(old, slots, data)
     return done
 
 
@@ -228,7 +237,7 @@ def _match_names(model: torch.nn.Module, state: Mapping[str, torch.Tensor], file
 @_loader._reopen_if_replaced   # a file replaced under us: start over from the new headers
 def load_model(model: torch.nn.Module, filename: str | os.PathLike | _loader.LoadHandle, strict: bool = True,
                device: str | int | torch.device | None = "cpu", *, materialize: bool = False,
-               **options) -> tuple[set[str], list[str]]:
+               wait: bool = True, **options) -> tuple[set[str], list[str]] | StreamedLoad:
     """``safetensors.torch.load_model``: fill ``model``'s parameters and buffers from a checkpoint.
 
     Returns ``(missing, unexpected)`` like the reference: names of the model the file does not
@@ -248,12 +257,17 @@ def load_model(model: torch.nn.Module, filename: str | os.PathLike | _loader.Loa
     so that the I/O overlaps the imports and the model's construction. Then the model's meta
     tensors take the loaded tensors themselves (as ``load_state_dict(assign=True)``, tied ones
     stay tied, a dtype that differs is cast); tensors that have storage are copied into.
+    With ``wait=False`` it returns a ``StreamedLoad`` at once instead: each module takes its
+    tensors when it first runs, so the first forward overlaps the rest of the load.
     """
     if isinstance(filename, _loader.LoadHandle):
         if options or materialize:
             raise TypeError("load_model(model, handle): the load is already running; pass its options "
                             f"to load_file(..., background=True), not here ({sorted(options) or 'materialize'})")
-        return _load_from_handle(model, filename, strict)
+        return _load_from_handle(model, filename, strict, wait)
+    if not wait:
+        raise TypeError("load_model(..., wait=False) needs the handle of a running load: "
+                        "load_model(model, load_file(..., device=..., background=True), wait=False)")
     state = model.state_dict(keep_vars=True)
     on_meta = [n for n, t in state.items() if t.is_meta]
     if on_meta:
@@ -318,29 +332,110 @@ def _tied_names(state: Mapping[str, torch.Tensor], preferred_names) -> dict[str,
     return aliases
 
 
-def _load_from_handle(model: torch.nn.Module, handle, strict: bool) -> tuple[set[str], list[str]]:
-    """``load_model`` from a running background load: wait for it, then hand its tensors over."""
+def _match_handle(model: torch.nn.Module, handle, strict: bool) -> tuple[dict, set[str], list[str]]:
+    """``_match_names`` for a running load, with the shapes checked from its headers: every
+    refusal comes before the model changes and before any wait."""
     state = model.state_dict(keep_vars=True)
     file_names = handle.names
     store, missing, unexpected = _match_names(model, state, file_names, _tied_names(state, file_names), strict)
-    model_name = type(model).__name__
-    loaded = handle.result()   # a worker's error surfaces here
-    problems = [f"{n}: shape {list(store[n].shape)} in the model, {list(t.shape)} in the file"
-                for n, t in loaded.items() if n in store and tuple(store[n].shape) != tuple(t.shape)]
+    problems = []
+    for n, shape in handle.shapes.items():
+        t = store.get(n)
+        if t is not None and tuple(t.shape) != shape:
+            problems.append(f"{n}: shape {list(t.shape)} in the model, {list(shape)} in the file")
     if problems:
-        raise LoadModelError(model_name, problems, missing=sorted(missing), unexpected=unexpected)
-    data_for: dict[int, torch.Tensor] = {}   # the olds stay alive in `store`: their ids are unique
-    with torch.no_grad():
-        for n, t in loaded.items():
-            old = store.get(n)
-            if old is None:
-                continue
-            if not old.is_meta:   # real storage (maybe elsewhere, maybe another dtype): fill it in place
-                old.copy_(t)
-            else:
-                data_for[id(old)] = t if t.dtype == old.dtype else t.to(old.dtype)
-    _swap_tensors(model, lambda t: data_for.get(id(t)))
+        raise LoadModelError(type(model).__name__, problems, missing=sorted(missing), unexpected=unexpected)
+    return store, missing, unexpected
+
+
+def _hand_over(old: torch.Tensor, slots, loaded: torch.Tensor) -> None:
+    """One loaded tensor into the model: a meta tensor takes it (cast if the dtype differs),
+    real storage (maybe elsewhere, maybe another dtype) is filled in place."""
+    with torch.inference_mode(False), torch.no_grad():   # a forward's inference_mode must not leak in
+        if old.is_meta:
+            _put(old, slots, loaded if loaded.dtype == old.dtype else loaded.to(old.dtype))
+        else:
+            old.copy_(loaded)
+
+
+def _load_from_handle(model: torch.nn.Module, handle, strict: bool, wait: bool):
+    """``load_model`` from a running background load: wait for it and hand its tensors over, or
+    (``wait=False``) leave each module to take its own as it first runs (``StreamedLoad``)."""
+    store, missing, unexpected = _match_handle(model, handle, strict)
+    if not wait:
+        return StreamedLoad(model, handle, store, missing, unexpected)
+    loaded = handle.result()   # a worker's error surfaces here
+    places = _tensor_places(model)
+    for n, t in loaded.items():
+        old = store.get(n)
+        if old is not None:
+            _hand_over(old, places[id(old)][1], t)
     return missing, unexpected
+
+
+class StreamedLoad:
+    """``load_model(model, handle, wait=False)``: the model runs before its weights have landed.
+
+    Each module that owns tensors of the file gets a forward pre-hook that waits for just those
+    (``handle.wait``), hands them over as ``load_model`` does and removes itself. The first
+    forward pass thus starts at once, and its one-time costs (kernel loading, the cuBLAS handle,
+    Python warm-up) overlap the load instead of following it; layer ``k`` runs as soon as its
+    bytes are on the device. ``wait()`` hands over whatever no forward has asked for yet; after
+    it (or once every module has run) the model is exactly what ``load_model(model, handle)``
+    gives. A load error is raised by the forward that needs the failed tensor, and by ``wait()``.
+
+    Until then the tensors of modules that have not run are still on the meta device: code that
+    reads ``model.state_dict()`` or another module's weights directly must call ``wait()`` first.
+    """
+
+    def __init__(self, model: torch.nn.Module, handle, store: dict, missing: set[str], unexpected: list[str]) -> None:
+        self.missing, self.unexpected = missing, unexpected
+        self._handle = handle
+        places = _tensor_places(model)
+        name_of = {id(t): n for n, t in store.items()}
+        self._pending: dict[int, tuple[str, torch.Tensor, list]] = {
+            i: (name_of[i], old, slots) for i, (old, slots) in places.items() if i in name_of}
+        self._hooks = []
+        for mod in model.modules():
+            mine = [id(t) for table in (mod._parameters, mod._buffers) for t in table.values()
+                    if t is not None and id(t) in self._pending]
+            if mine:
+                self._hooks.append(mod.register_forward_pre_hook(self._before(mine)))
+        if not self._pending:
+            self._finish()
+
+    def _before(self, ids: list[int]):
+        def hook(module, args):
+            self._take(ids)
+        return hook
+
+    def _take(self, ids) -> None:
+        for i in ids:
+            entry = self._pending.get(i)
+            if entry is None:
+                continue
+            name, old, slots = entry
+            _hand_over(old, slots, self._handle.wait(name))   # blocks on this tensor alone
+            del self._pending[i]
+        if not self._pending:
+            self._finish()
+
+    def _finish(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._handle.result()   # closes the files; every tensor has landed
+
+    def done(self) -> bool:
+        """Every tensor of the file the model takes is in place."""
+        return not self._pending
+
+    def wait(self) -> tuple[set[str], list[str]]:
+        """Hand over everything still pending; returns ``(missing, unexpected)`` as load_model."""
+        self._take(list(self._pending))
+        if self._hooks:
+            self._finish()
+        return self.missing, self.unexpected
 
 
 def _wait_torch_streams(tensors) -> None:

@@ -6,6 +6,7 @@ itself, never against foxhunt_stream.
 
 from __future__ import annotations
 
+import copy
 import errno
 import threading
 
@@ -123,6 +124,42 @@ def test_load_model_from_a_background_load_on_the_gpu(tmp_path):
     assert m.lin.weight.data_ptr() == handle.result()["lin.weight"].data_ptr()
     row = m.emb(torch.tensor([3], device=DEV))   # usable at once on torch's stream
     assert torch.equal(row.cpu(), src.emb.weight[3:4].detach())
+    _same(m, src)
+
+
+class Chain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def test_streamed_load_model_forward_on_the_gpu(tmp_path):
+    """wait=False: the first forward runs on torch's stream while the loader's streams write;
+    each module waits for its own tensors, and the result equals the CPU model's."""
+    torch.manual_seed(10)
+    src = Chain().to(torch.bfloat16)
+    path = tmp_path / "chain.safetensors"
+    fst.save_model(src, path)
+    ids = torch.tensor([[1, 7, 33]])
+    with torch.device("meta"):
+        m = Chain().to(torch.bfloat16)
+    h = fst.load_file(path, device=DEV, background=True, threads=2, chunk_bytes=1 << 12, staging_bytes=1 << 14)
+    sl = fst.load_model(m, h, wait=False)
+    with torch.inference_mode():
+        out = m(ids.to(DEV))
+        want = copy.deepcopy(src).to(DEV)(ids.to(DEV))   # the same kernels on weights torch moved
+    assert sl.done() and sl.wait() == (set(), [])
+    assert torch.equal(out, want)
+    assert m.layers[3].weight.device == torch.device(DEV) and m.head.weight is m.emb.weight
     _same(m, src)
 
 

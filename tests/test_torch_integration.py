@@ -291,6 +291,98 @@ def test_load_model_from_a_failed_background_load_raises_its_error(tmp_path):
     assert m.lin.weight.is_meta and m.emb.weight.is_meta and not _foxhunt_threads()
 
 
+class Stack(torch.nn.Module):
+    """A model with a forward: embedding, three layers, a norm and a head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(self.norm(x))
+
+
+def _stack_file(tmp_path, seed: int) -> tuple[Stack, str]:
+    torch.manual_seed(seed)
+    src = Stack()
+    with torch.no_grad():
+        for p in src.parameters():
+            p.normal_()
+    path = str(tmp_path / "stack.safetensors")
+    fst.save_model(src, path)
+    return src, path
+
+
+def test_streamed_load_runs_the_first_modules_before_the_last_tensor_lands(tmp_path):
+    src, path = _stack_file(tmp_path, 40)
+    ids = torch.tensor([[1, 5, 9]])
+    gate, log = threading.Event(), []
+    source.fault_hook = _gate_hook(path, "layers.2.weight", gate, log)
+    with torch.device("meta"):
+        m = Stack()
+    sl = fst.load_model(m, fst.load_file(path, background=True, threads=2, chunk_bytes=4096), wait=False)
+    assert isinstance(sl, fst.StreamedLoad) and (sl.missing, sl.unexpected) == (set(), [])
+    with torch.inference_mode():
+        x = torch.tanh(m.layers[0](m.emb(ids)))           # needs emb and layer 0 only: no wait on layer 2
+    assert torch.equal(x, torch.tanh(src.layers[0](src.emb(ids))))
+    assert not log and not sl.done() and m.layers[2].weight.is_meta and m.norm.weight.is_meta
+    assert m.emb.weight is m.head.weight and not m.head.weight.is_meta   # the tie was filled with its owner
+    gate.set()
+    with torch.inference_mode():
+        out = m(ids)                                      # the rest waits for its own tensors
+    assert log and all(log) and sl.done()
+    assert torch.equal(out, src(ids).detach())
+    assert not any(mod._forward_pre_hooks for mod in m.modules())   # the hooks removed themselves
+    assert sl.wait() == (set(), [])
+    _same_state(m, src)
+    for p in m.parameters():   # parameters again, made outside the forward's inference_mode
+        assert isinstance(p, torch.nn.Parameter) and p.requires_grad and not p.is_inference()
+    assert not _foxhunt_threads()
+
+
+def test_streamed_load_wait_fills_what_no_forward_asked_for(tmp_path):
+    src, path = _stack_file(tmp_path, 41)
+    with torch.device("meta"):
+        m = Stack()
+    sl = fst.load_model(m, fst.load_file(path, background=True), wait=False)
+    assert sl.wait() == (set(), []) and sl.done()
+    _same_state(m, src)
+    assert m.head.weight is m.emb.weight and not any(mod._forward_pre_hooks for mod in m.modules())
+    dst = Stack().to(torch.bfloat16)                      # real storage, another dtype: filled in place
+    ptr = dst.layers[1].weight.data_ptr()
+    sl = fst.load_model(dst, fst.load_file(path, background=True), wait=False)
+    dst(torch.tensor([[2]]))
+    assert sl.done() and dst.layers[1].weight.data_ptr() == ptr
+    assert torch.equal(dst.layers[1].weight, src.layers[1].weight.to(torch.bfloat16))
+    with pytest.raises(TypeError, match="wait=False"):
+        fst.load_model(m, path, wait=False)
+
+
+def test_streamed_load_error_surfaces_in_the_forward_and_at_wait(tmp_path):
+    _, path = _stack_file(tmp_path, 42)
+    lo, hi = _range_of(path, "layers.1.weight")
+
+    def hook(s, offset, length):
+        if lo <= offset < hi:
+            raise OSError(errno.EIO, "injected")
+    source.fault_hook = hook
+    with torch.device("meta"):
+        m = Stack()
+    sl = fst.load_model(m, fst.load_file(path, background=True, threads=2, chunk_bytes=4096), wait=False)
+    with pytest.raises(OSError, match="injected"):
+        m(torch.tensor([[3]]))
+    with pytest.raises(OSError, match="injected"):
+        sl.wait()
+    assert m.layers[1].weight.is_meta and not sl.done() and not _foxhunt_threads()
+
+
 def test_load_file_and_save_file_are_drop_ins(tmp_path):
     t = {"a": torch.randn(5, 3).to(torch.bfloat16), "b": torch.arange(6, dtype=torch.int32),
          "c": torch.randn(4, 4)[:, 1:3]}   # non-contiguous is saved as its values

@@ -36,7 +36,8 @@ for path in sys.argv[1:]:
         continue
     for r in json.load(open(path))["runs"]:
         ph = r.get("phases_s", {})
-        extra = {k: round(r[k], 3) for k in ("bg_load_s", "kernels_warm_s") if k in r}
+        extra = {k: round(r[k], 3) for k in ("bg_load_s", "kernels_warm_s", "fwd_layer_first_s", "fwd_layer_last_s",
+                                             "fwd_head_s") if k in r}
         if "prefetch_bytes_at_load" in r:
             extra["prefetched_GB_at_load"] = round(r["prefetch_bytes_at_load"] / 1e9, 2)
         print(r["mode"], r["variant"], round(r.get("total_s", 0), 2), " ".join(f"{k} {v:.3f}" for k, v in ph.items()),

@@ -21,6 +21,9 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
         waiting for its own tensors, so its one-time costs (kernel loading, cuBLAS, rotary tables)
         overlap the load instead of following it
     2sw 2s, with fs.warmup(DEV, background=True) right after importing foxhunt_stream
+    2sc 2s with chunk_bytes=32 MiB (a quarter of the chunks, so of the workers' GIL turns; 8 workers)
+    2si 2s with sys.setswitchinterval(0.2 ms) during the load and forward (default 5 ms): a worker
+        waiting for the GIL that the forward holds gets it sooner
     2b  the restore overlaps the imports: import torch, start CUDA, ``H = fs.torch.load_file(dir,
         device=DEV, background=True)``, then import transformers, build on meta and
         ``fs.torch.load_model(model, H)`` (the meta tensors take the loaded ones). (Session 7's
@@ -72,15 +75,16 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2w", "2wk", "2s", "2sw", "2b", "2bk", "2p", "2t", "2tw", "2ts", "2tb", "2tx", "2ty",
+VARIANTS = ("F", "E", "1", "2", "2w", "2wk", "2s", "2sw", "2sc", "2si", "2b", "2bk", "2p", "2t", "2tw", "2ts", "2tb", "2tx", "2ty",
             "2tn", "2tr", "2T", "3")
 TRACED = ("2t", "2tw", "2ts", "2tb", "2tx", "2ty", "2tn", "2tr", "2T")
-STREAMED = ("2s", "2sw", "2ts")   # load_model(model, handle, wait=False): the forward streams behind the load
+STREAMED = ("2s", "2sw", "2sc", "2si", "2ts")   # load_model(model, handle, wait=False): the forward streams behind the load
 BACKGROUND = ("2b", "2bk", "2tb")   # the restore starts before import transformers
 DEFAULT_RATE = 1e9
 PREFETCH_KEYS = ("prefetch_bytes", "prefetch_total", "prefetch_module_bytes", "prefetch_bytes_at_load")
 # stamped beside the main thread (other threads, or a mark to count from): not phases
-SIDE_KEYS = PREFETCH_KEYS + ("bg_load_done", "kernels_warm_done", "kernels_from")
+MARKS = ("fwd_layer_first", "fwd_layer_last", "fwd_head")   # 2s: where the streamed forward was when
+SIDE_KEYS = PREFETCH_KEYS + ("bg_load_done", "kernels_warm_done", "kernels_from") + MARKS
 DEFAULT_TRACE = os.path.join("/tmp", "foxhunt_startup_imports.txt")
 LABELS = {
     "F": "floor (imports, CUDA, meta model)",
@@ -91,6 +95,8 @@ LABELS = {
     "2wk": "2w + kernels warmed beside the model build",
     "2s": "meta + load_model(wait=False), streamed forward",
     "2sw": "2s + fs.warmup(background=True) first",
+    "2sc": "2s, 32 MiB chunks (8 workers)",
+    "2si": "2s, GIL switch interval 0.2 ms",
     "2b": "restore beside the imports + load_model",
     "2bk": "2b + kernels warmed meanwhile",
     "2p": "2 + fs.prefetch first",
@@ -327,18 +333,23 @@ T["import_foxhunt"] = time.time()
 """ if variant == "2sw" else "") + """model = meta_model()
 T["meta_model"] = time.time()
 """ + ("""T["prefetch_bytes_at_load"] = PF.bytes_done
-""" if variant in TRACED else "") + """H = fs.torch.load_file(DIR, device=DEV, background=True)
+""" if variant in TRACED else "") + ("""sys.setswitchinterval(0.0002)   # the loader's workers wait less for the GIL
+""" if variant == "2si" else "") + f"""H = fs.torch.load_file(DIR, device=DEV, background=True{', chunk_bytes=32 << 20' if variant == '2sc' else ''})
 SL = fs.torch.load_model(model, H, wait=False)
 assert not SL.missing and not SL.unexpected, (SL.missing, SL.unexpected)
 T["load_started"] = time.time()
 import threading
 threading.Thread(target=lambda: (H._landing.job._done.wait(), T.__setitem__("bg_load_done", time.time())),
                  daemon=True).start()
+for key, mod in (("fwd_layer_first", model.model.layers[0]), ("fwd_layer_last", model.model.layers[-1]),
+                 ("fwd_head", model.lm_head)):   # after load_model's hooks: stamped once the weights are in
+    mod.register_forward_pre_hook(lambda m, a, key=key: T.setdefault(key, time.time()) and None)   # None: args kept
 fix_rotary(model, DEV)
 forward(model)
 assert SL.done()
 T["forward"] = time.time()
-"""
+""" + ("""sys.setswitchinterval(0.005)
+""" if variant == "2si" else "")
         if variant in TRACED:
             body += """
 T["prefetch_bytes"] = PF.bytes_done
@@ -451,6 +462,9 @@ def run_variant(variant: str, directory: str, device: str, timeout: float, trace
             out[k] = stamps[k]
     if "bg_load_done" in stamps:   # 2b, 2s: the restore's own wall time, beside the imports or the forward
         out["bg_load_s"] = stamps["bg_load_done"] - stamps["load_started"]
+    for k in MARKS:
+        if k in stamps:
+            out[k + "_s"] = stamps[k] - stamps["load_started"]
     if "kernels_warm_done" in stamps:
         out["kernels_warm_s"] = stamps["kernels_warm_done"] - stamps.get("kernels_from", stamps.get("load_started"))
     return out

@@ -26,16 +26,4 @@ for round in $(seq ${COLD_ROUNDS:-2}); do
   python3 benchmarks/startup_bench.py "$CKPT" --variants 1,2tw,2tb --no-hot --cold --repeat 1 --timeout 80 \
     --bg-options "$BG" --json "$C" "${app[@]}" 2>&1 | grep -E "^\[|recorded|failed" | tee -a "$OUT/cold_s7c.log"
 done
-python3 - "$J" "$C" <<'PY' | tee "$OUT/runs_s7c.log"
-import json, os, sys
-for path in sys.argv[1:]:
-    if not os.path.exists(path):
-        continue
-    for r in json.load(open(path))["runs"]:
-        ph = r.get("phases_s", {})
-        extra = {k: round(r[k], 3) for k in ("bg_load_s", "kernels_warm_s") if k in r}
-        if "prefetch_bytes_at_load" in r:
-            extra["prefetched_GB_at_load"] = round(r["prefetch_bytes_at_load"] / 1e9, 2)
-        print(r["mode"], r["variant"], round(r.get("total_s", 0), 2), " ".join(f"{k} {v:.3f}" for k, v in ph.items()),
-              extra, r.get("error", "")[-300:])
-PY
+python3 benchmarks/print_runs.py "$J" "$C" | tee "$OUT/runs_s7c.log"

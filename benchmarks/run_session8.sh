@@ -29,17 +29,4 @@ for round in $(seq ${COLD_ROUNDS:-0}); do
   python3 benchmarks/startup_bench.py "$CKPT" --variants "${COLD_VARIANTS:-1,2tw,2ts}" --no-hot --cold --repeat 1 \
     --timeout 80 --json "$C" "${app[@]}" 2>&1 | grep -E "^\[|recorded|failed" | tee -a "$OUT/cold_$TAG.log"
 done
-python3 - "$J" "$C" <<'PY' | tee "$OUT/runs_$TAG.log"
-import json, os, sys
-for path in sys.argv[1:]:
-    if not os.path.exists(path):
-        continue
-    for r in json.load(open(path))["runs"]:
-        ph = r.get("phases_s", {})
-        extra = {k: round(r[k], 3) for k in ("bg_load_s", "kernels_warm_s", "fwd_layer_first_s", "fwd_layer_last_s",
-                                             "fwd_head_s") if k in r}
-        if "prefetch_bytes_at_load" in r:
-            extra["prefetched_GB_at_load"] = round(r["prefetch_bytes_at_load"] / 1e9, 2)
-        print(r["mode"], r["variant"], round(r.get("total_s", 0), 2), " ".join(f"{k} {v:.3f}" for k, v in ph.items()),
-              extra, r.get("error", "")[-300:])
-PY
+python3 benchmarks/print_runs.py "$J" "$C" | tee "$OUT/runs_$TAG.log"

@@ -22,6 +22,8 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
         overlap the load instead of following it
     2sw 2s, with fs.warmup(DEV, background=True) right after importing foxhunt_stream
     2sc 2s with chunk_bytes=32 MiB (a quarter of the chunks, so of the workers' GIL turns; 8 workers)
+    2sq 2s with staging_bytes=64 MiB (default 256): at most a quarter of the copies queued on the
+        copy engine, which the forward's lazily loaded kernel modules may wait behind (untested)
     2si 2s with sys.setswitchinterval(0.2 ms) during the load and forward (default 5 ms): a worker
         waiting for the GIL that the forward holds gets it sooner
     2b  the restore overlaps the imports: import torch, start CUDA, ``H = fs.torch.load_file(dir,
@@ -75,10 +77,12 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2w", "2wk", "2s", "2sw", "2sc", "2si", "2b", "2bk", "2p", "2t", "2tw", "2ts", "2tb", "2tx", "2ty",
-            "2tn", "2tr", "2T", "3")
+VARIANTS = ("F", "E", "1", "2", "2w", "2wk", "2s", "2sw", "2sc", "2si", "2sq", "2b", "2bk", "2p", "2t", "2tw",
+            "2ts", "2tb", "2tx", "2ty", "2tn", "2tr", "2T", "3")
 TRACED = ("2t", "2tw", "2ts", "2tb", "2tx", "2ty", "2tn", "2tr", "2T")
-STREAMED = ("2s", "2sw", "2sc", "2si", "2ts")   # load_model(model, handle, wait=False): the forward streams behind the load
+# load_model(model, handle, wait=False): the forward streams behind the load
+STREAMED = ("2s", "2sw", "2sc", "2si", "2sq", "2ts")
+BG_TUNING = {"2sc": ", chunk_bytes=32 << 20", "2sq": ", staging_bytes=64 << 20"}   # their load_file options
 BACKGROUND = ("2b", "2bk", "2tb")   # the restore starts before import transformers
 DEFAULT_RATE = 1e9
 PREFETCH_KEYS = ("prefetch_bytes", "prefetch_total", "prefetch_module_bytes", "prefetch_bytes_at_load")
@@ -97,6 +101,7 @@ LABELS = {
     "2sw": "2s + fs.warmup(background=True) first",
     "2sc": "2s, 32 MiB chunks (8 workers)",
     "2si": "2s, GIL switch interval 0.2 ms",
+    "2sq": "2s, 64 MiB of staging (a shorter copy queue)",
     "2b": "restore beside the imports + load_model",
     "2bk": "2b + kernels warmed meanwhile",
     "2p": "2 + fs.prefetch first",
@@ -174,6 +179,13 @@ def fix_rotary(model, dev):
             new = type(mod)(getattr(mod, "config", model.config))
         setattr(parent, name.rsplit(".", 1)[-1], new)
 '''
+
+
+PREFETCH_STAMPS = """
+T["prefetch_bytes"] = PF.bytes_done
+T["prefetch_total"] = PF.nbytes
+T["prefetch_module_bytes"] = PF.module_bytes
+"""   # after the forward: how much of the checkpoint the prefetch had read
 
 
 KERNEL_WARM = '''
@@ -319,11 +331,7 @@ forward(model)
 T["forward"] = time.time()
 """
         if variant in TRACED:
-            body += """
-T["prefetch_bytes"] = PF.bytes_done
-T["prefetch_total"] = PF.nbytes
-T["prefetch_module_bytes"] = PF.module_bytes
-"""
+            body += PREFETCH_STAMPS
     elif variant in STREAMED:
         body = """
 import foxhunt_stream as fs
@@ -334,7 +342,7 @@ T["import_foxhunt"] = time.time()
 T["meta_model"] = time.time()
 """ + ("""T["prefetch_bytes_at_load"] = PF.bytes_done
 """ if variant in TRACED else "") + ("""sys.setswitchinterval(0.0002)   # the loader's workers wait less for the GIL
-""" if variant == "2si" else "") + f"""H = fs.torch.load_file(DIR, device=DEV, background=True{', chunk_bytes=32 << 20' if variant == '2sc' else ''})
+""" if variant == "2si" else "") + f"""H = fs.torch.load_file(DIR, device=DEV, background=True{BG_TUNING.get(variant, '')})
 SL = fs.torch.load_model(model, H, wait=False)
 assert not SL.missing and not SL.unexpected, (SL.missing, SL.unexpected)
 T["load_started"] = time.time()
@@ -351,11 +359,7 @@ T["forward"] = time.time()
 """ + ("""sys.setswitchinterval(0.005)
 """ if variant == "2si" else "")
         if variant in TRACED:
-            body += """
-T["prefetch_bytes"] = PF.bytes_done
-T["prefetch_total"] = PF.nbytes
-T["prefetch_module_bytes"] = PF.module_bytes
-"""
+            body += PREFETCH_STAMPS
     elif variant in ("2", "2w", "2wk", "2p") + TRACED:
         body = """
 import foxhunt_stream as fs
@@ -379,11 +383,7 @@ forward(model)
 T["forward"] = time.time()
 """
         if variant in ("2p",) + TRACED:
-            body += """
-T["prefetch_bytes"] = PF.bytes_done
-T["prefetch_total"] = PF.nbytes
-T["prefetch_module_bytes"] = PF.module_bytes
-"""
+            body += PREFETCH_STAMPS
     elif variant == "3":
         body = """
 import os

@@ -400,14 +400,17 @@ class StreamedLoad:
             mine = [id(t) for table in (mod._parameters, mod._buffers) for t in table.values()
                     if t is not None and id(t) in self._pending]
             if mine:
-                self._hooks.append(mod.register_forward_pre_hook(self._before(mine)))
+                self._hooks.append(self._before(mod, mine))
         if not self._pending:
             self._finish()
 
-    def _before(self, ids: list[int]):
+    def _before(self, mod: torch.nn.Module, ids: list[int]):
+        """Register the pre-hook that fills ``mod``'s own tensors and then removes itself."""
         def hook(module, args):
             self._take(ids)
-        return hook
+            handle.remove()   # filled: later calls run without a hook
+        handle = mod.register_forward_pre_hook(hook)
+        return handle
 
     def _take(self, ids) -> None:
         for i in ids:
@@ -416,7 +419,7 @@ class StreamedLoad:
                 continue
             name, old, slots = entry
             _hand_over(old, slots, self._handle.wait(name))   # blocks on this tensor alone
-            del self._pending[i]
+            self._pending.pop(i, None)   # (another thread's forward may have handed it over meanwhile)
         if not self._pending:
             self._finish()
 

@@ -4,6 +4,7 @@ valid Python for every variant and device, and the summary subtracts the floor p
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -58,3 +59,19 @@ def test_prefetch_tuning_reaches_the_traced_variants_only():
     assert "threads=4)" in code and "PACED_BYTES = 16777216" in code
     assert code.index("PACED_BYTES") < code.index("fs.prefetch(")
     assert "threads=4" not in sb.child_program("2", "/d", "cpu", tune="threads=4")
+
+
+def test_print_runs_lists_each_run_with_its_side_measurements(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("print_runs", os.path.join(os.path.dirname(_PATH), "print_runs.py"))
+    print_runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(print_runs)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"runs": [
+        {"mode": "hot", "variant": "2s", "total_s": 14.05, "phases_s": {"import_torch": 3.8, "forward": 0.826},
+         "bg_load_s": 0.663, "fwd_layer_first_s": 0.473},
+        {"mode": "cold", "variant": "1", "error": "exit 1: boom"}]}))
+    assert print_runs.main([str(path), str(tmp_path / "absent.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("hot 2s 14.05 import_torch 3.800 forward 0.826")
+    assert "'bg_load_s': 0.663" in lines[0] and "'fwd_layer_first_s': 0.473" in lines[0]
+    assert lines[1].startswith("cold 1 0") and lines[1].endswith("exit 1: boom") and len(lines) == 2

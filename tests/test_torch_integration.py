@@ -333,6 +333,7 @@ def test_streamed_load_runs_the_first_modules_before_the_last_tensor_lands(tmp_p
         x = torch.tanh(m.layers[0](m.emb(ids)))           # needs emb and layer 0 only: no wait on layer 2
     assert torch.equal(x, torch.tanh(src.layers[0](src.emb(ids))))
     assert not log and not sl.done() and m.layers[2].weight.is_meta and m.norm.weight.is_meta
+    assert not m.layers[0]._forward_pre_hooks and m.layers[2]._forward_pre_hooks   # filled: hook gone
     assert m.emb.weight is m.head.weight and not m.head.weight.is_meta   # the tie was filled with its owner
     gate.set()
     with torch.inference_mode():

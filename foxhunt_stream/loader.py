@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping, MutableMapping, Sequence
 from . import settings as _settings
 from .checkpoint import Checkpoint, Names, open_checkpoint, select
 from .device import CPU, Device, check_device, context, parse_device
-from .dtypes import DType, host_shape
+from .dtypes import host_shape
 from .errors import FormatError, StoreMismatchError
 from .frameworks import Buffer, expected_host_dtype, framework_of, get_framework
 from .integrity import Verifier

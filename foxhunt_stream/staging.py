@@ -31,7 +31,13 @@ class Slot:
 
 
 class StagingPool:
-    """``n_slots`` buffers of ``slot_bytes``; ``acquire`` blocks while all are in use."""
+    """Up to ``n_slots`` buffers of ``slot_bytes``; ``acquire`` blocks while all are in use.
+
+    Slots are allocated on first demand, not up front: pinning 256 MiB takes 0.1-0.19 s on the
+    H200 machine, and a first load that had to wait for all of it before its first copy now
+    starts after one slot while the other workers pin theirs. ``fill`` allocates the rest now
+    (``fs.warmup``: pay it before the load).
+    """
 
     def __init__(self, slot_bytes: int, n_slots: int, allocate: Callable[[int], tuple[np.ndarray, Any]],
                  kind: str = "host") -> None:
@@ -40,31 +46,60 @@ class StagingPool:
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
         self.kind = kind
+        self._allocate = allocate
+        self._made = 0
+        self._grow = threading.Lock()
         self._free: queue.LifoQueue[Slot] = queue.LifoQueue()
-        for _ in range(n_slots):
-            arr, owner = allocate(slot_bytes)
-            self._free.put(Slot(arr, None, owner))
 
     @property
     def nbytes(self) -> int:
+        """The most it will hold (the bound), whether or not allocated yet."""
         return self.slot_bytes * self.n_slots
 
+    @property
+    def allocated(self) -> int:
+        """How many slots exist so far."""
+        return self._made
+
+    def _new_slot(self) -> Slot | None:
+        """A freshly allocated slot, or None if the pool is at its bound."""
+        with self._grow:
+            if self._made >= self.n_slots:
+                return None
+            self._made += 1
+        try:
+            arr, owner = self._allocate(self.slot_bytes)
+        except BaseException:
+            with self._grow:
+                self._made -= 1
+            raise
+        return Slot(arr, None, owner)
+
+    def fill(self) -> None:
+        """Allocate every slot not yet made."""
+        while (slot := self._new_slot()) is not None:
+            self._free.put(slot)
+
     def acquire(self, timeout: float | None = None) -> Slot:
+        slot = self.try_acquire()
+        if slot is not None:
+            return slot
         try:
             slot = self._free.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError("no staging buffer came free in time") from None
-        if slot.event is not None:
-            slot.event.synchronize()
-            slot.event = None
-        return slot
+        return self._ready(slot)
 
     def try_acquire(self) -> Slot | None:
-        """A free slot, or None at once if none is free."""
+        """A free slot (a new one while under the bound), or None at once if none is free."""
         try:
             slot = self._free.get_nowait()
         except queue.Empty:
-            return None
+            return self._new_slot()
+        return self._ready(slot)
+
+    @staticmethod
+    def _ready(slot: Slot) -> Slot:
         if slot.event is not None:
             slot.event.synchronize()
             slot.event = None
@@ -75,7 +110,8 @@ class StagingPool:
         self._free.put(slot)
 
     def free_count(self) -> int:
-        return self._free.qsize()
+        """Slots to be had without waiting: the free ones and those not yet allocated."""
+        return self._free.qsize() + self.n_slots - self._made
 
 
 def host_allocate(nbytes: int) -> tuple[np.ndarray, Any]:

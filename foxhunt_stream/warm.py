@@ -622,7 +622,7 @@ def _warm(dev, s: _settings.Settings, verify: bool = False) -> dict[str, float]:
         t = now
 
     if not dev.is_cuda:
-        HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)).pool()   # the size the loader asks for
+        HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)).pool().fill()   # the size the loader asks for
         lap("host_pool")
         return out
     cp = cupy()
@@ -631,7 +631,7 @@ def _warm(dev, s: _settings.Settings, verify: bool = False) -> dict[str, float]:
     with cp.cuda.Device(dev.index):
         cp.cuda.runtime.free(0)   # forces the (primary) context into existence
     lap("context")
-    CudaTarget(dev.index, s.chunk_bytes, s.n_slots, s.threads).pool()
+    CudaTarget(dev.index, s.chunk_bytes, s.n_slots, s.threads).pool().fill()   # pinned now, not at the load
     lap("pinned_pool")
     ctx = context(dev.index)
     for w in range(s.threads):

@@ -1,7 +1,8 @@
-"""Devices: parse a device argument, and the CUDA pieces the pipeline needs (via cupy).
+"""Devices: parse a device argument, and the CUDA pieces the pipeline needs (``cudart``).
 
-cupy is imported lazily, so ``import foxhunt_stream`` works on a machine without it.
-Per device and process we keep: the pinned staging pool and one non-blocking stream per worker.
+The CUDA runtime (cupy's wrapper of it) is imported lazily, so ``import foxhunt_stream`` works
+on a machine without it. Per device and process we keep: the pinned staging pool and one
+non-blocking stream per worker.
 """
 
 from __future__ import annotations
@@ -9,8 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-import numpy as np
-
+from . import cudart
 from .errors import DeviceError
 from .staging import StagingPool
 
@@ -71,9 +71,9 @@ def check_device(device: Device) -> None:
     """Raise DeviceError unless ``device`` is a CUDA device that exists."""
     if not device.is_cuda:
         return
-    cp = cupy()
+    rt = cudart.runtime()
     try:
-        n = cp.cuda.runtime.getDeviceCount()
+        n = rt.getDeviceCount()
     except Exception as e:  # cudaErrorNoDevice, driver missing...
         raise DeviceError(f"{device}: no usable CUDA GPU ({e})") from None
     if device.index >= n:
@@ -86,7 +86,7 @@ _current = threading.local()
 def use_device(index: int) -> None:
     """Make GPU ``index`` current for this thread (once: a worker thread keeps it)."""
     if getattr(_current, "index", None) != index:
-        cupy().cuda.runtime.setDevice(index)
+        cudart.runtime().setDevice(index)
         _current.index = index
 
 
@@ -109,25 +109,20 @@ class CudaContext:
         self._pool: StagingPool | None = None
         self._lock = threading.Lock()
 
-    def stream(self, worker: int):
-        cp = cupy()
+    def stream(self, worker: int) -> cudart.Stream:
         with self._lock:
             while len(self._streams) <= worker:
-                with cp.cuda.Device(self.index):
-                    self._streams.append(cp.cuda.Stream(non_blocking=True))
+                with cudart.on_device(self.index):
+                    self._streams.append(cudart.Stream())
             return self._streams[worker]
 
     def pool(self, slot_bytes: int, n_slots: int) -> StagingPool:
         with self._lock:
             p = self._pool
             if p is None or p.slot_bytes != slot_bytes or p.n_slots != n_slots:
-                cp = cupy()
-
                 def allocate(nbytes: int):
-                    with cp.cuda.Device(self.index):
-                        mem = cp.cuda.PinnedMemory(nbytes, cp.cuda.runtime.hostAllocPortable)
-                        ptr = cp.cuda.PinnedMemoryPointer(mem, 0)
-                        return np.frombuffer(ptr, np.uint8, nbytes), ptr
+                    with cudart.on_device(self.index):
+                        return cudart.pinned(nbytes)
 
                 p = self._pool = StagingPool(slot_bytes, n_slots, allocate, f"pinned:{self.index}")
             return p

@@ -16,14 +16,15 @@ from typing import Callable
 
 import numpy as np
 
-from .device import context, cupy, use_device
+from . import cudart
+from .device import context, use_device
 from .frameworks import Buffer
 from .plan import Run
 from .source import ALIGN, FileSource
 from .staging import StagingPool, host_pool
 
 
-H2D = 1                 # cudaMemcpyHostToDevice
+H2D = cudart.H2D
 # verify=True: a chunk is read and hashed in pieces of this size. Small pieces are hashed while
 # still in the CPU cache, but every read and every hash call releases the GIL, and with 16 workers
 # each hand-back costs far more than the cache saves: on the H200 one 3.9 GB shard loaded in
@@ -121,8 +122,7 @@ class CudaTarget:
         self.slot_bytes = chunk_bytes + 2 * ALIGN
         self.n_slots = n_slots
         self.per_worker = max(1, n_slots // max(1, threads))   # defaults: 32 slots / 16 workers = 2
-        self.cp = cupy()
-        self._rt = self.cp.cuda.runtime
+        self._rt = cudart.runtime()
         self._rings: dict[int, _Ring] = {}
 
     def pool(self) -> StagingPool:
@@ -131,7 +131,6 @@ class CudaTarget:
     def _ring(self, worker: int) -> _Ring:
         """This worker's ring: the first slot waits for one to come free, the rest are taken only
         if free (so concurrent loads sharing the pool never wait on each other in a cycle)."""
-        cp = self.cp
         pool = self.pool()
         use_device(self.index)
         slots = [pool.acquire()]
@@ -144,7 +143,7 @@ class CudaTarget:
             events = []
             for slot in slots:
                 if slot.cuda_event is None:
-                    slot.cuda_event = cp.cuda.Event(block=False, disable_timing=True)
+                    slot.cuda_event = cudart.Event()
                 events.append(slot.cuda_event)
             ring = self._rings[worker] = _Ring(pool, slots, self.ctx.stream(worker), events)
         except BaseException:   # nothing may keep a slot of the process-wide pool
@@ -211,19 +210,19 @@ class CudaTarget:
         if not track:
             return event   # re-recorded by this worker's later chunks: waiting on it may over-wait, never under-wait
         use_device(self.index)   # with device_map a worker serves several GPUs: the event's device must be the stream's
-        mine = self.cp.cuda.Event(block=False, disable_timing=True)
+        mine = cudart.Event()
         rt.eventRecord(mine.ptr, ring.stream_ptr)
         return mine
 
     def fetch(self, worker: int, src_ptr: int, nbytes: int):
         """Device bytes -> a pinned slot; returns (slot, view) once the copy is complete."""
-        cp, rt = self.cp, self._rt
+        rt = self._rt
         stream = self.ctx.stream(worker)
         pool = self.pool()
         slot = pool.acquire()
         try:
-            with cp.cuda.Device(self.index):
-                rt.memcpyAsync(slot.ptr, src_ptr, nbytes, rt.memcpyDeviceToHost, stream.ptr)
+            with cudart.on_device(self.index):
+                rt.memcpyAsync(slot.ptr, src_ptr, nbytes, cudart.D2H, stream.ptr)
                 stream.synchronize()
         except BaseException:
             pool.release(slot)

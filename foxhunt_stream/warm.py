@@ -21,7 +21,7 @@ until the load begins. On the H200 machine a read of the imports waited 0.1-0.3 
 queue against ~7 ms behind readahead, and the cold start went from 0.8-0.9x transformers'
 ``from_pretrained`` to 0.56-0.61x (``benchmarks/RESULTS.md``, session 6).
 
-``warmup(device)`` pays the other first-load costs up front (cupy import, CUDA context, the pinned
+``warmup(device)`` pays the other first-load costs up front (CUDA runtime import, context, the pinned
 staging pool, one stream per worker) and says how long each took.
 """
 
@@ -591,9 +591,9 @@ def warmup(device="cuda:0", *, background: bool = False, verify: bool = False,
            **options) -> dict[str, float] | WarmupHandle:
     """Pay a load's first-use costs now; returns the seconds each step took.
 
-    For a GPU: importing cupy, creating the CUDA context, allocating the pinned staging pool
-    (sized by ``chunk_bytes``/``staging_bytes``, and reused by every later load and save with
-    the same settings) and one stream per worker thread. For ``"cpu"``: the host scratch pool.
+    For a GPU: importing the CUDA runtime wrapper (``cudart``), creating the CUDA context,
+    allocating the pinned staging pool (sized by ``chunk_bytes``/``staging_bytes``, and reused
+    by every later load and save with the same settings) and one stream per worker thread. For ``"cpu"``: the host scratch pool.
     With ``background=True`` it runs on a thread and a WarmupHandle is returned at once, so the
     work overlaps whatever the caller does next (building the model); a load that starts before
     it is done waits for the pinned pool instead of allocating a second one. ``verify=True`` also
@@ -609,7 +609,8 @@ def warmup(device="cuda:0", *, background: bool = False, verify: bool = False,
 
 
 def _warm(dev, s: _settings.Settings, verify: bool = False) -> dict[str, float]:
-    from .device import check_device, context, cupy
+    from . import cudart
+    from .device import check_device, context
     from .target import CudaTarget, HostTarget
 
     t = time.perf_counter()
@@ -625,11 +626,11 @@ def _warm(dev, s: _settings.Settings, verify: bool = False) -> dict[str, float]:
         HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)).pool().fill()   # the size the loader asks for
         lap("host_pool")
         return out
-    cp = cupy()
-    lap("import_cupy")
+    rt = cudart.runtime()
+    lap("import_runtime")
     check_device(dev)
-    with cp.cuda.Device(dev.index):
-        cp.cuda.runtime.free(0)   # forces the (primary) context into existence
+    with cudart.on_device(dev.index):
+        rt.free(0)   # forces the (primary) context into existence
     lap("context")
     CudaTarget(dev.index, s.chunk_bytes, s.n_slots, s.threads).pool().fill()   # pinned now, not at the load
     lap("pinned_pool")

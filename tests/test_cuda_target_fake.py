@@ -28,13 +28,17 @@ SCRIPT = textwrap.dedent("""
     dev_mem = np.zeros(1 << 16, np.uint8)              # the "device" buffer
     buf = Buffer(device.Device("cuda", 0), dev_mem.nbytes, None, dev_mem.ctypes.data)
 
+    from foxhunt_stream import cudart
+    assert cudart.runtime() is cupy.cuda.runtime         # no cupy_backends here: cupy's own runtime
     t = target.CudaTarget(0, 4096, 8, threads=2)       # 8 slots, 4 per worker
-    assert t.per_worker == 4
+    assert t.per_worker == 4 and t.pool().allocated == 0   # pinned on demand, not up front
     runs = [plan.Run(src=o, pitch=4096, width=4096, height=1, dst=o) for o in range(0, 32768, 4096)]
     runs.append(plan.Run(src=32768, pitch=512, width=128, height=8, dst=40000))   # 8 rows of 128 of 512
     for i, run in enumerate(runs):
         t.land(i % 2, src, run, buf)
     assert t.pool().free_count() == 0                 # both rings out
+    assert t.pool().allocated == 8 and len(cupy.cuda.runtime._host) == 8   # each slot one cudaHostAlloc
+    assert all(isinstance(ev, cudart.Event) for r in t._rings.values() for ev in r.events)
     t.release_worker(0); t.release_worker(1); t.release_worker(7)
     assert t.pool().free_count() == 8                 # all back, none twice
     assert np.array_equal(dev_mem[:32768], data[:32768])
@@ -54,8 +58,8 @@ SCRIPT = textwrap.dedent("""
 
     # a failure while a ring is being built gives its slots back (the pool is process-wide)
     t3 = target.CudaTarget(0, 8192, 4, threads=1)
-    real_event = cupy.cuda.Event
-    cupy.cuda.Event = None                               # calling it raises TypeError
+    real_event = cupy.cuda.runtime.eventCreateWithFlags
+    cupy.cuda.runtime.eventCreateWithFlags = None        # calling it raises TypeError
     for s in t3.pool()._free.queue:
         s.cuda_event = None
     try:
@@ -64,7 +68,7 @@ SCRIPT = textwrap.dedent("""
         pass
     else:
         raise AssertionError("expected the ring to fail")
-    cupy.cuda.Event = real_event
+    cupy.cuda.runtime.eventCreateWithFlags = real_event
     assert t3.pool().free_count() == 4
 
     # a destination given as a function is asked for after the chunk's read, so its allocation

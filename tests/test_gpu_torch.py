@@ -244,7 +244,7 @@ def test_torch_load_file_on_the_gpu(tmp_path):
 def test_background_warmup_then_load_shares_the_pool(tmp_path):
     h = fs.warmup(DEV, background=True, threads=3)
     times = h.result(timeout=120)
-    assert set(times) == {"import_cupy", "context", "pinned_pool", "streams"}
+    assert set(times) == {"import_runtime", "context", "pinned_pool", "streams"}
     pool = fs_device.context(0)._pool
     x = np.arange(100_000, dtype=np.float32)
     fs.save_file({"x": x}, tmp_path / "w.safetensors")
@@ -255,6 +255,6 @@ def test_background_warmup_then_load_shares_the_pool(tmp_path):
 
 def test_warmup_creates_pool_and_streams():
     times = fs.warmup(DEV, threads=3)
-    assert set(times) == {"import_cupy", "context", "pinned_pool", "streams"}
+    assert set(times) == {"import_runtime", "context", "pinned_pool", "streams"}
     ctx = fs_device.context(0)
     assert ctx._pool is not None and len(ctx._streams) >= 3

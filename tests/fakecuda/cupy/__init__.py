@@ -36,6 +36,57 @@ class _Runtime:
         pass
 
     @staticmethod
+    def getDevice():
+        return 0
+
+    @staticmethod
+    def free(ptr):
+        pass
+
+    # handles of foxhunt_stream.cudart: streams and events are numbers, pinned memory host bytes
+    _handles = 0
+    _host: dict = {}
+
+    @staticmethod
+    def _next():
+        _Runtime._handles += 1
+        return 5000 + _Runtime._handles
+
+    @staticmethod
+    def streamCreateWithFlags(flags):
+        return _Runtime._next()
+
+    @staticmethod
+    def eventCreateWithFlags(flags):
+        return _Runtime._next()
+
+    @staticmethod
+    def streamSynchronize(stream):
+        pass
+
+    @staticmethod
+    def streamWaitEvent(stream, event, flags=0):
+        pass
+
+    @staticmethod
+    def streamDestroy(stream):
+        pass
+
+    @staticmethod
+    def eventDestroy(event):
+        pass
+
+    @staticmethod
+    def hostAlloc(n, flags):
+        buf = ctypes.create_string_buffer(n)
+        _Runtime._host[ctypes.addressof(buf)] = buf
+        return ctypes.addressof(buf)
+
+    @staticmethod
+    def freeHost(ptr):
+        _Runtime._host.pop(ptr)
+
+    @staticmethod
     def getDeviceCount():
         return 1
 

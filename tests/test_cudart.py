@@ -1,0 +1,91 @@
+"""foxhunt_stream.cudart takes the CUDA runtime from cupy_backends alone, without importing cupy
+(whose import sat on the critical path of a GPU load), falls back to cupy's when that is not
+importable, and says how to install cupy when neither is. Subprocesses with stand-in packages:
+no GPU needed, and no real cupy is shadowed in this process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAKE_CUPY = os.path.join(REPO, "tests", "fakecuda")
+
+RUNTIME = textwrap.dedent("""
+    import ctypes
+    calls = []
+    _host = {}
+    def getDeviceCount(): calls.append("getDeviceCount"); return 1
+    def getDevice(): return 0
+    def setDevice(i): calls.append(("setDevice", i))
+    def streamCreateWithFlags(flags): calls.append(("streamCreateWithFlags", flags)); return 11
+    def streamSynchronize(s): calls.append(("streamSynchronize", s))
+    def streamWaitEvent(s, e, flags=0): calls.append(("streamWaitEvent", s, e))
+    def streamDestroy(s): calls.append(("streamDestroy", s))
+    def eventCreateWithFlags(flags): calls.append(("eventCreateWithFlags", flags)); return 22
+    def eventRecord(e, s): calls.append(("eventRecord", e, s))
+    def eventSynchronize(e): calls.append(("eventSynchronize", e))
+    def eventDestroy(e): calls.append(("eventDestroy", e))
+    def hostAlloc(n, flags):
+        b = ctypes.create_string_buffer(n); _host[ctypes.addressof(b)] = b
+        calls.append(("hostAlloc", n, flags)); return ctypes.addressof(b)
+    def freeHost(p): calls.append(("freeHost", p)); _host.pop(p)
+""")
+
+SCRIPT = textwrap.dedent("""
+    import gc, sys
+    from foxhunt_stream import cudart, device
+    from cupy_backends.cuda.api import runtime as rt
+    device.check_device(device.Device("cuda", 0))
+    s, e = cudart.Stream(), cudart.Event()
+    e.record(s.ptr); s.wait_event(e); e.synchronize(); s.synchronize()
+    arr, owner = cudart.pinned(4096)
+    arr[:] = 7
+    view = arr[10:20]
+    del arr, owner
+    gc.collect()
+    assert view.sum() == 70 and not any(c[0] == "freeHost" for c in rt.calls if isinstance(c, tuple))  # a view keeps it
+    del view, s, e
+    gc.collect()
+    assert "cupy" not in sys.modules, "cupy was imported"
+    assert ("streamCreateWithFlags", 1) in rt.calls and ("eventCreateWithFlags", 2) in rt.calls
+    assert ("hostAlloc", 4096, 1) in rt.calls and ("streamWaitEvent", 11, 22) in rt.calls
+    assert {c[0] for c in rt.calls if isinstance(c, tuple)} >= {"freeHost", "streamDestroy", "eventDestroy"}
+    print("ok")
+""")
+
+
+def _run(code: str, path: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [REPO])}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_the_runtime_comes_without_importing_cupy(tmp_path):
+    api = tmp_path / "cupy_backends" / "cuda" / "api"
+    api.mkdir(parents=True)
+    for d in (tmp_path / "cupy_backends", tmp_path / "cupy_backends" / "cuda", api):
+        (d / "__init__.py").write_text("")
+    (api / "runtime.py").write_text(RUNTIME)
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text("raise RuntimeError('cupy imported')\n")
+    r = _run(SCRIPT, [str(tmp_path)])
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_without_cupy_backends_cupys_runtime_is_used():
+    r = _run("import sys; sys.modules['cupy_backends'] = None\n"
+             "import cupy; from foxhunt_stream import cudart\n"
+             "assert cudart.runtime() is cupy.cuda.runtime; print('ok')", [FAKE_CUPY])
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_without_either_a_gpu_load_says_how_to_install_cupy():
+    r = _run("import sys; sys.modules['cupy_backends'] = None; sys.modules['cupy'] = None\n"
+             "import foxhunt_stream as fs\n"
+             "try:\n"
+             "    fs.device.check_device(fs.device.Device('cuda', 0))\n"
+             "except fs.DeviceError as e:\n"
+             "    print('DeviceError:', e)\n", [])
+    assert r.returncode == 0 and "needs cupy" in r.stdout and "pip install" in r.stdout, r.stderr[-3000:] + r.stdout

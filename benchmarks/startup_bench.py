@@ -24,6 +24,8 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
     2sc 2s with chunk_bytes=32 MiB (a quarter of the chunks, so of the workers' GIL turns; 8 workers)
     2sq 2s with staging_bytes=64 MiB (default 256): at most a quarter of the copies queued on the
         copy engine, which the forward's lazily loaded kernel modules may wait behind (untested)
+    2su 2s with FOXHUNT_CUDART=cupy: the CUDA runtime reached through ``import cupy`` (as before
+        ``cudart``), to measure what the lone ``cupy_backends`` import saves
     2si 2s with sys.setswitchinterval(0.2 ms) during the load and forward (default 5 ms): a worker
         waiting for the GIL that the forward holds gets it sooner
     2b  the restore overlaps the imports: import torch, start CUDA, ``H = fs.torch.load_file(dir,
@@ -77,11 +79,11 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2w", "2wk", "2s", "2sw", "2sc", "2si", "2sq", "2b", "2bk", "2p", "2t", "2tw",
+VARIANTS = ("F", "E", "1", "2", "2w", "2wk", "2s", "2sw", "2sc", "2si", "2sq", "2su", "2b", "2bk", "2p", "2t", "2tw",
             "2ts", "2tb", "2tx", "2ty", "2tn", "2tr", "2T", "3")
 TRACED = ("2t", "2tw", "2ts", "2tb", "2tx", "2ty", "2tn", "2tr", "2T")
 # load_model(model, handle, wait=False): the forward streams behind the load
-STREAMED = ("2s", "2sw", "2sc", "2si", "2sq", "2ts")
+STREAMED = ("2s", "2sw", "2sc", "2si", "2sq", "2su", "2ts")
 BG_TUNING = {"2sc": ", chunk_bytes=32 << 20", "2sq": ", staging_bytes=64 << 20"}   # their load_file options
 BACKGROUND = ("2b", "2bk", "2tb")   # the restore starts before import transformers
 DEFAULT_RATE = 1e9
@@ -102,6 +104,7 @@ LABELS = {
     "2sc": "2s, 32 MiB chunks (8 workers)",
     "2si": "2s, GIL switch interval 0.2 ms",
     "2sq": "2s, 64 MiB of staging (a shorter copy queue)",
+    "2su": "2s, CUDA runtime through import cupy (FOXHUNT_CUDART=cupy)",
     "2b": "restore beside the imports + load_model",
     "2bk": "2b + kernels warmed meanwhile",
     "2p": "2 + fs.prefetch first",
@@ -333,7 +336,8 @@ T["forward"] = time.time()
         if variant in TRACED:
             body += PREFETCH_STAMPS
     elif variant in STREAMED:
-        body = """
+        body = ("""import os; os.environ["FOXHUNT_CUDART"] = "cupy"   # the runtime as before ba0f419: import cupy
+""" if variant == "2su" else "") + """
 import foxhunt_stream as fs
 import foxhunt_stream.torch
 T["import_foxhunt"] = time.time()

@@ -6,6 +6,8 @@ array, kernel or memory pool, and ``import cupy`` as a whole took 0.11-0.22 s on
 machine (``fs.warmup``'s former ``import_cupy`` step), on the critical path of a streamed
 startup and holding the GIL the whole time. Where that module cannot be imported by itself
 (another cupy layout), cupy is imported and its ``cuda.runtime`` used: the same functions.
+``FOXHUNT_CUDART=cupy`` in the environment takes that way from the start (to compare, or should
+the lone import misbehave).
 
 Every object here is a raw handle (``ptr``) with the few methods the pipeline calls; the
 runtime functions that wait (``streamSynchronize``, ``eventSynchronize``, ``hostAlloc``, the
@@ -14,8 +16,10 @@ async copies) release the GIL.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import os
 from typing import Any, Iterator
 
 import numpy as np
@@ -33,8 +37,10 @@ def runtime():
     global _rt
     if _rt is None:
         try:
+            if os.environ.get("FOXHUNT_CUDART", "").strip().lower() == "cupy":
+                raise ImportError("FOXHUNT_CUDART=cupy")
             from cupy_backends.cuda.api import runtime as rt
-        except ImportError:
+        except Exception:   # absent, or a layout whose runtime needs cupy's own start-up first
             from .device import cupy   # raises DeviceError with the install hint if cupy is absent
             rt = cupy().cuda.runtime
         _rt = rt
@@ -117,9 +123,20 @@ def pinned(nbytes: int) -> tuple[np.ndarray, PinnedBuffer]:
     return buf.array(), buf
 
 
+_exiting = False
+
+
+@atexit.register
+def _at_exit() -> None:
+    """From here on handles are left to the process's end, as cupy does: its finalization may
+    already have torn down what a free would need."""
+    global _exiting
+    _exiting = True
+
+
 def _destroy(call: str, ptr: int) -> None:
-    """Free a handle at garbage collection; at interpreter exit the runtime may be gone already."""
-    if not ptr or _rt is None:
+    """Free a handle at garbage collection (not at interpreter exit, see ``_at_exit``)."""
+    if not ptr or _rt is None or _exiting:
         return
     try:
         getattr(_rt, call)(ptr)

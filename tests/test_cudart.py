@@ -81,6 +81,19 @@ def test_without_cupy_backends_cupys_runtime_is_used():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
+def test_foxhunt_cudart_cupy_takes_cupys_runtime_even_with_cupy_backends(tmp_path):
+    api = tmp_path / "cupy_backends" / "cuda" / "api"
+    api.mkdir(parents=True)
+    for d in (tmp_path / "cupy_backends", tmp_path / "cupy_backends" / "cuda", api):
+        (d / "__init__.py").write_text("")
+    (api / "runtime.py").write_text(RUNTIME)
+    r = subprocess.run([sys.executable, "-c", "import cupy; from foxhunt_stream import cudart\n"
+                        "assert cudart.runtime() is cupy.cuda.runtime; print('ok')"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "FOXHUNT_CUDART": "cupy",
+                                        "PYTHONPATH": os.pathsep.join([str(tmp_path), FAKE_CUPY, REPO])})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
 def test_without_either_a_gpu_load_says_how_to_install_cupy():
     r = _run("import sys; sys.modules['cupy_backends'] = None; sys.modules['cupy'] = None\n"
              "import foxhunt_stream as fs\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import threading
 import time
 import warnings
@@ -22,11 +23,9 @@ from .device import CPU, Device, check_device, context, parse_device
 from .dtypes import host_shape
 from .errors import FormatError, StoreMismatchError
 from .frameworks import Buffer, expected_host_dtype, framework_of, get_framework
-from .integrity import Verifier
 from .pipeline import Job
 from .placement import interleave_by_device, parse_device_map, resolve_device_map
 from .plan import LoadPlan, Selection, plan_load
-from .warm import loading, warming
 from .progress import NO_PROGRESS, Progress, progress_bar
 from .shard import Shard, indices_for, shard_shape
 from .source import FileSource, open_source, resident_fraction
@@ -42,6 +41,25 @@ class LoadIntoWarning(UserWarning):
         self.missing, self.unexpected = missing, unexpected
         super().__init__(f"load_into: {len(missing)} missing name(s) {missing[:10]} and {len(unexpected)} "
                          f"unexpected name(s) {unexpected[:10]} were skipped")
+
+
+def _prefetches():
+    """``foxhunt_stream.warm`` if this process has imported it (``fs.prefetch`` does), else None:
+    without it no prefetch can be running, and a load need not import it (~40 ms of imports)."""
+    return sys.modules.get("foxhunt_stream.warm")
+
+
+def warming(path: str) -> bool:
+    """Whether a prefetch of ``path`` is still running in this process."""
+    warm = _prefetches()
+    return warm is not None and warm.warming(path)
+
+
+def loading(path: str) -> None:
+    """A load of ``path`` starts: a prefetch holding back for the imports lets go (``warm.loading``)."""
+    warm = _prefetches()
+    if warm is not None:
+        warm.loading(path)
 
 
 def _backend_for(path: str, s: _settings.Settings) -> str:
@@ -193,7 +211,7 @@ class Landing:
     """A load plan in flight: per-destination readiness, cancellation, one wait for all."""
 
     def __init__(self, plan: LoadPlan, sources: list[FileSource], dests: Destinations,
-                 s: _settings.Settings, keepalive: Any = None, verifier: Verifier | None = None,
+                 s: _settings.Settings, keepalive: Any = None, verifier: Any = None,
                  progress: Progress = NO_PROGRESS, per_dest: bool = False) -> None:
         self.plan = plan
         # per_dest: someone waits for single destinations (tensors(), a background handle), so
@@ -383,6 +401,7 @@ def _plan(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, verify: 
     if on == "auto":   # a GPU has memory bandwidth to spare; the host's goes to the reads
         per = [devices] * len(sels) if isinstance(devices, Device) else list(devices)
         on = ["landed" if dev.is_cuda else "read" for dev in per]
+    from .integrity import Verifier   # imported only by loads that verify
     verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels], on=on)
     s = verifier.settings(s)
     return plan_load(sels, s.chunk_bytes, granule=verifier.granule), s, verifier

@@ -46,3 +46,17 @@ def test_unknown_attribute_is_an_attribute_error():
     import pytest
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         fs.nope
+
+
+def test_a_load_imports_neither_prefetch_nor_checksum_nor_save_code():
+    """A plain load's first call pays only for the load path: the prefetch machinery (warm,
+    codewarm, importtrace), checksums and the saver are imported by those who use them."""
+    out = _run("import json, os, struct, sys, tempfile\n"
+               "import numpy as np, foxhunt_stream as fs\n"
+               "p = os.path.join(tempfile.mkdtemp(), 'a.safetensors')\n"
+               "h = json.dumps({'x': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 8]}}).encode()\n"
+               "open(p, 'wb').write(struct.pack('<Q', len(h)) + h + np.arange(2, dtype=np.float32).tobytes())\n"
+               "assert fs.load_file(p)['x'].tolist() == [0.0, 1.0]\n"
+               "print(sorted(m for m in ('foxhunt_stream.warm', 'foxhunt_stream.codewarm', 'foxhunt_stream.importtrace',"
+               " 'foxhunt_stream.integrity', 'foxhunt_stream.saver') if m in sys.modules))")
+    assert out == "[]"

@@ -436,9 +436,7 @@ class StreamedLoad:
 
     def wait(self) -> tuple[set[str], list[str]]:
         """Hand over everything still pending; returns ``(missing, unexpected)`` as load_model."""
-        self._take(list(self._pending))
-        if self._hooks:
-            self._finish()
+        self._take(list(self._pending))   # ends with _finish(): nothing is pending now
         return self.missing, self.unexpected
 
 

@@ -57,17 +57,22 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+def _fake_backends(root) -> None:
+    """A stand-in ``cupy_backends.cuda.api.runtime`` (RUNTIME) under ``root``."""
+    api = root / "cupy_backends" / "cuda" / "api"
+    api.mkdir(parents=True)
+    for d in (root / "cupy_backends", root / "cupy_backends" / "cuda", api):
+        (d / "__init__.py").write_text("")
+    (api / "runtime.py").write_text(RUNTIME)
+
+
 def _run(code: str, path: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [REPO])}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_the_runtime_comes_without_importing_cupy(tmp_path):
-    api = tmp_path / "cupy_backends" / "cuda" / "api"
-    api.mkdir(parents=True)
-    for d in (tmp_path / "cupy_backends", tmp_path / "cupy_backends" / "cuda", api):
-        (d / "__init__.py").write_text("")
-    (api / "runtime.py").write_text(RUNTIME)
+    _fake_backends(tmp_path)
     (tmp_path / "cupy").mkdir()
     (tmp_path / "cupy" / "__init__.py").write_text("raise RuntimeError('cupy imported')\n")
     r = _run(SCRIPT, [str(tmp_path)])
@@ -82,11 +87,7 @@ def test_without_cupy_backends_cupys_runtime_is_used():
 
 
 def test_foxhunt_cudart_cupy_takes_cupys_runtime_even_with_cupy_backends(tmp_path):
-    api = tmp_path / "cupy_backends" / "cuda" / "api"
-    api.mkdir(parents=True)
-    for d in (tmp_path / "cupy_backends", tmp_path / "cupy_backends" / "cuda", api):
-        (d / "__init__.py").write_text("")
-    (api / "runtime.py").write_text(RUNTIME)
+    _fake_backends(tmp_path)
     r = subprocess.run([sys.executable, "-c", "import cupy; from foxhunt_stream import cudart\n"
                         "assert cudart.runtime() is cupy.cuda.runtime; print('ok')"], capture_output=True, text=True,
                        timeout=60, env={**os.environ, "FOXHUNT_CUDART": "cupy",

@@ -28,6 +28,10 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
         ``cudart``), to measure what the lone ``cupy_backends`` import saves
     2si 2s with sys.setswitchinterval(0.2 ms) during the load and forward (default 5 ms): a worker
         waiting for the GIL that the forward holds gets it sooner
+    2e  2s with the load started before the model is built (right after importing foxhunt_stream):
+        building the model on meta overlaps the load, as the handle is meant to be used
+    2en 2e with ``names=`` the index's names in natural order (layer 2 before layer 10, as the
+        forward needs them; the files hold them alphabetically)
     2b  the restore overlaps the imports: import torch, start CUDA, ``H = fs.torch.load_file(dir,
         device=DEV, background=True)``, then import transformers, build on meta and
         ``fs.torch.load_model(model, H)`` (the meta tensors take the loaded ones). (Session 7's
@@ -79,11 +83,12 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2w", "2wk", "2s", "2sw", "2sc", "2si", "2sq", "2su", "2b", "2bk", "2p", "2t", "2tw",
+VARIANTS = ("F", "E", "1", "2", "2w", "2wk", "2s", "2sw", "2sc", "2si", "2sq", "2su", "2e", "2en", "2b", "2bk", "2p", "2t", "2tw",
             "2ts", "2tb", "2tx", "2ty", "2tn", "2tr", "2T", "3")
 TRACED = ("2t", "2tw", "2ts", "2tb", "2tx", "2ty", "2tn", "2tr", "2T")
 # load_model(model, handle, wait=False): the forward streams behind the load
-STREAMED = ("2s", "2sw", "2sc", "2si", "2sq", "2su", "2ts")
+STREAMED = ("2s", "2sw", "2sc", "2si", "2sq", "2su", "2e", "2en", "2ts")
+EARLY = ("2e", "2en")   # streamed, the load started before the model is built
 BG_TUNING = {"2sc": ", chunk_bytes=32 << 20", "2sq": ", staging_bytes=64 << 20"}   # their load_file options
 BACKGROUND = ("2b", "2bk", "2tb")   # the restore starts before import transformers
 DEFAULT_RATE = 1e9
@@ -105,6 +110,8 @@ LABELS = {
     "2si": "2s, GIL switch interval 0.2 ms",
     "2sq": "2s, 64 MiB of staging (a shorter copy queue)",
     "2su": "2s, CUDA runtime through import cupy (FOXHUNT_CUDART=cupy)",
+    "2e": "2s, load started before the model is built",
+    "2en": "2e, names in natural (forward) order",
     "2b": "restore beside the imports + load_model",
     "2bk": "2b + kernels warmed meanwhile",
     "2p": "2 + fs.prefetch first",
@@ -182,6 +189,35 @@ def fix_rotary(model, dev):
             new = type(mod)(getattr(mod, "config", model.config))
         setattr(parent, name.rsplit(".", 1)[-1], new)
 '''
+
+
+# streamed variants: when each layer's weights were all in (a thread waiting on the load's
+# per-tensor readiness, layer after layer as the forward does) and when the forward reached it
+LAYER_STAMPS = """LAYERS_LANDED, LAYERS_FWD = [], []
+def _landings():
+    L = H._landing
+    index = {d.name: i for i, d in enumerate(L.plan.destinations)}
+    for i, layer in enumerate(model.model.layers):
+        for n, _ in layer.named_parameters(prefix=f"model.layers.{i}"):
+            L._ready[index[n]].wait()
+        LAYERS_LANDED.append(time.time())
+threading.Thread(target=_landings, daemon=True).start()
+for layer in model.model.layers:
+    layer.register_forward_pre_hook(lambda m, a: LAYERS_FWD.append(time.time()) and None)
+"""
+
+
+NATURAL_ORDER = """import os, re
+def natural_order(directory):
+    \"\"\"The index's tensor names, digits compared as numbers: layer 2 before layer 10.\"\"\"
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        names = list(json.load(open(index))["weight_map"])
+    else:   # one file
+        names = [t.name for t in fs.read_header(os.path.join(directory, "model.safetensors")).tensors]
+    return sorted(names, key=lambda n: [(0, int(p), "") if p.isdigit() else (1, 0, p)
+                                             for p in re.split(r"(\\d+)", n)])
+"""
 
 
 PREFETCH_STAMPS = """
@@ -336,24 +372,30 @@ T["forward"] = time.time()
         if variant in TRACED:
             body += PREFETCH_STAMPS
     elif variant in STREAMED:
+        names = ""
+        if variant == "2en":
+            names = ", names=natural_order(DIR)"
+        start_load = f"""H = fs.torch.load_file(DIR, device=DEV, background=True{names}{BG_TUNING.get(variant, '')})
+""" + ("""T["load_started"] = time.time()
+""" if variant in EARLY else "") + """import threading
+threading.Thread(target=lambda: (H._landing.job._done.wait(), T.__setitem__("bg_load_done", time.time())),
+                 daemon=True).start()
+"""
         body = ("""import os; os.environ["FOXHUNT_CUDART"] = "cupy"   # the runtime as before ba0f419: import cupy
 """ if variant == "2su" else "") + """
 import foxhunt_stream as fs
 import foxhunt_stream.torch
 T["import_foxhunt"] = time.time()
 """ + ("""WARMING = fs.warmup(DEV, background=True)   # overlaps building the model; the load waits for its pool
-""" if variant == "2sw" else "") + """model = meta_model()
+""" if variant == "2sw" else "") + (NATURAL_ORDER if variant == "2en" else "") + (
+            start_load if variant in EARLY else "") + """model = meta_model()
 T["meta_model"] = time.time()
 """ + ("""T["prefetch_bytes_at_load"] = PF.bytes_done
 """ if variant in TRACED else "") + ("""sys.setswitchinterval(0.0002)   # the loader's workers wait less for the GIL
-""" if variant == "2si" else "") + f"""H = fs.torch.load_file(DIR, device=DEV, background=True{BG_TUNING.get(variant, '')})
-SL = fs.torch.load_model(model, H, wait=False)
+""" if variant == "2si" else "") + ("" if variant in EARLY else start_load) + """SL = fs.torch.load_model(model, H, wait=False)
 assert not SL.missing and not SL.unexpected, (SL.missing, SL.unexpected)
-T["load_started"] = time.time()
-import threading
-threading.Thread(target=lambda: (H._landing.job._done.wait(), T.__setitem__("bg_load_done", time.time())),
-                 daemon=True).start()
-for key, mod in (("fwd_layer_first", model.model.layers[0]), ("fwd_layer_last", model.model.layers[-1]),
+T[""" + repr("streamed" if variant in EARLY else "load_started") + """] = time.time()
+""" + LAYER_STAMPS + """for key, mod in (("fwd_layer_first", model.model.layers[0]), ("fwd_layer_last", model.model.layers[-1]),
                  ("fwd_head", model.lm_head)):   # after load_model's hooks: stamped once the weights are in
     mod.register_forward_pre_hook(lambda m, a, key=key: T.setdefault(key, time.time()) and None)   # None: args kept
 fix_rotary(model, DEV)
@@ -412,6 +454,8 @@ T["forward"] = time.time()
     tail = """
 T["done"] = time.time()
 extra = {"warmup": WARMUP} if "WARMUP" in globals() else {}
+if "LAYERS_FWD" in globals():
+    extra.update(layers_fwd=LAYERS_FWD, layers_landed=LAYERS_LANDED)
 """ + (f"""extra["trace_files"] = fs.record_imports({trace!r})   # for the next start: after the timing
 """ if variant in TRACED else "") + """
 print("RESULT " + json.dumps({"stamps": T, "notes": NOTES, **extra}), flush=True)
@@ -471,6 +515,9 @@ def run_variant(variant: str, directory: str, device: str, timeout: float, trace
             out[k + "_s"] = stamps[k] - stamps["load_started"]
     if "kernels_warm_done" in stamps:
         out["kernels_warm_s"] = stamps["kernels_warm_done"] - stamps.get("kernels_from", stamps.get("load_started"))
+    for k in ("layers_fwd", "layers_landed"):   # streamed: per layer, seconds after the load started
+        if k in result:
+            out[k + "_s"] = [round(t - stamps["load_started"], 4) for t in result[k]]
     return out
 
 

@@ -75,3 +75,33 @@ def test_print_runs_lists_each_run_with_its_side_measurements(tmp_path, capsys):
     assert lines[0].startswith("hot 2s 14.05 import_torch 3.800 forward 0.826")
     assert "'bg_load_s': 0.663" in lines[0] and "'fwd_layer_first_s': 0.473" in lines[0]
     assert lines[1].startswith("cold 1 0") and lines[1].endswith("exit 1: boom") and len(lines) == 2
+
+
+def test_early_variants_start_the_load_before_building_the_model():
+    for v in sb.EARLY:
+        code = sb.child_program(v, "/d", "cuda:0")
+        assert code.index("fs.torch.load_file(") < code.index("model = meta_model()") < code.index("load_model(")
+    code = sb.child_program("2s", "/d", "cuda:0")
+    assert code.index("model = meta_model()") < code.index("fs.torch.load_file(")
+    assert "names=natural_order(DIR)" in sb.child_program("2en", "/d", "cuda:0")
+
+
+def test_natural_order_puts_layer_2_before_layer_10(tmp_path):
+    names = ["model.layers.10.mlp.weight", "model.layers.2.mlp.weight", "model.norm.weight",
+             "model.layers.2.attn.weight", "lm_head.weight", "model.embed_tokens.weight"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "a" for n in names}}))
+    scope: dict = {"json": json}
+    exec(sb.NATURAL_ORDER, scope)
+    assert scope["natural_order"](str(tmp_path)) == [
+        "lm_head.weight", "model.embed_tokens.weight", "model.layers.2.attn.weight", "model.layers.2.mlp.weight",
+        "model.layers.10.mlp.weight", "model.norm.weight"]
+
+
+def test_layer_line_shows_where_the_forward_waited():
+    spec = importlib.util.spec_from_file_location("print_runs", os.path.join(os.path.dirname(_PATH), "print_runs.py"))
+    print_runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(print_runs)
+    landed = [0.1 * i for i in range(8)]
+    fwd = [t + (0.3 if i == 5 else 0.01) for i, t in enumerate(landed)]
+    line = print_runs.layer_line(landed, fwd)
+    assert "0:0.000/0.010" in line and "7:0.700/0.710" in line and line.endswith("largest lag 0.300")

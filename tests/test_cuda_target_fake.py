@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent("""
     buf = Buffer(device.Device("cuda", 0), dev_mem.nbytes, None, dev_mem.ctypes.data)
 
     from foxhunt_stream import cudart
-    assert cudart.runtime() is cupy.cuda.runtime         # no cupy_backends here: cupy's own runtime
+    assert cudart.runtime() is cupy.cuda.runtime         # the stand-in's, through its cupy_backends
     t = target.CudaTarget(0, 4096, 8, threads=2)       # 8 slots, 4 per worker
     assert t.per_worker == 4 and t.pool().allocated == 0   # pinned on demand, not up front
     runs = [plan.Run(src=o, pitch=4096, width=4096, height=1, dst=o) for o in range(0, 32768, 4096)]

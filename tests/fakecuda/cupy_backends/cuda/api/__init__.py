@@ -1,0 +1,3 @@
+import cupy
+
+runtime = cupy.cuda.runtime   # the stand-in cupy's runtime, as the real package's module is cupy's

@@ -28,8 +28,10 @@ fresh process (``python -c``), so every run pays imports, CUDA start and allocat
         ``cudart``), to measure what the lone ``cupy_backends`` import saves
     2si 2s with sys.setswitchinterval(0.2 ms) during the load and forward (default 5 ms): a worker
         waiting for the GIL that the forward holds gets it sooner
-    2s8 2s with threads=8 (default: one per CPU, 16 there): the load leaves the forward CPUs
+    2s8 2s with threads=8: the load leaves the forward CPUs (the default of a background load was
+        one per CPU, 16 on the H200, until session 9; three quarters of that since: 12)
     2s12 2s with threads=12
+    2s16 2s with threads=16 (the default before session 9)
     2sn 2s with the loader's threads at nice 10: the forward's thread wins every CPU it asks for
     2sk 2s with the kernel warm of 2bk started before the model is built: the first forward's own
         one-time costs (cuBLAS, GEMM shapes, attention) overlap building the model
@@ -88,14 +90,14 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("F", "E", "1", "2", "2w", "2wk", "2s", "2sw", "2sc", "2si", "2sq", "2su", "2s8", "2s12", "2sn", "2sk", "2e", "2en", "2b", "2bk", "2p", "2t", "2tw",
+VARIANTS = ("F", "E", "1", "2", "2w", "2wk", "2s", "2sw", "2sc", "2si", "2sq", "2su", "2s8", "2s12", "2s16", "2sn", "2sk", "2e", "2en", "2b", "2bk", "2p", "2t", "2tw",
             "2ts", "2tb", "2tx", "2ty", "2tn", "2tr", "2T", "3")
 TRACED = ("2t", "2tw", "2ts", "2tb", "2tx", "2ty", "2tn", "2tr", "2T")
 # load_model(model, handle, wait=False): the forward streams behind the load
-STREAMED = ("2s", "2sw", "2sc", "2si", "2sq", "2su", "2s8", "2s12", "2sn", "2sk", "2e", "2en", "2ts")
+STREAMED = ("2s", "2sw", "2sc", "2si", "2sq", "2su", "2s8", "2s12", "2s16", "2sn", "2sk", "2e", "2en", "2ts")
 EARLY = ("2e", "2en")   # streamed, the load started before the model is built
 BG_TUNING = {"2sc": ", chunk_bytes=32 << 20", "2sq": ", staging_bytes=64 << 20", "2s8": ", threads=8",
-             "2s12": ", threads=12"}   # their load_file options
+             "2s12": ", threads=12", "2s16": ", threads=16"}   # their load_file options
 BACKGROUND = ("2b", "2bk", "2tb")   # the restore starts before import transformers
 DEFAULT_RATE = 1e9
 PREFETCH_KEYS = ("prefetch_bytes", "prefetch_total", "prefetch_module_bytes", "prefetch_bytes_at_load")
@@ -118,6 +120,7 @@ LABELS = {
     "2su": "2s, CUDA runtime through import cupy (FOXHUNT_CUDART=cupy)",
     "2s8": "2s, threads=8",
     "2s12": "2s, threads=12",
+    "2s16": "2s, threads=16 (the old default)",
     "2sn": "2s, loader threads at nice 10",
     "2sk": "2s + kernels warmed beside the model build",
     "2e": "2s, load started before the model is built",

@@ -506,7 +506,7 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
         return load_file_distributed(source, device, framework, names, process_group=process_group,
                                      background=background, shard=shard, verify=verify, progress=progress,
                                      **options)
-    s = _settings.merge(**options)
+    s = _settings.merge(background=background, **options)
     dev = parse_device(device)
     check_device(dev)
     fw = get_framework(framework, dev)

@@ -38,9 +38,19 @@ def _default_threads() -> int:
     return max(1, min(16, available_cpus()))
 
 
+def background_threads(threads: int) -> int:
+    """Workers of a background load when none were asked for: three quarters of the default.
+
+    The caller of ``load_file(background=True)`` keeps working (builds the model, runs the
+    forward that waits on the load), and with a worker on every CPU its thread waits for one
+    (benchmarks/RESULTS.md, session 9: the streamed startup on the 16-CPU H200)."""
+    return max(1, threads * 3 // 4)
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
-    threads: int = 0                 # reader/writer threads; 0 = one per CPU, at most 16
+    threads: int = 0                 # reader/writer threads; 0 = one per CPU, at most 16 (a background
+                                     # load: three quarters of that, see background_threads)
     chunk_bytes: int = 8 << 20       # bytes per copy through a staging slot (8 MiB: best on the H200 machine)
     staging_bytes: int = 256 << 20   # pinned staging per device (slots = staging / chunk; 2 per worker)
     backend: str = "pread"           # pread | mmap | direct
@@ -49,8 +59,12 @@ class Settings:
     verify_on: str = "auto"          # auto | read | landed: where verify=True hashes (auto: on the GPU for
                                      # xxh3-64 tensors landing there, else as chunks are read; integrity.Verifier)
 
-    def resolved(self) -> "Settings":
-        return replace(self, threads=self.threads or _default_threads())
+    def resolved(self, background: bool = False) -> "Settings":
+        """``threads=0`` made concrete (``background``: for a load the caller works beside)."""
+        if self.threads:
+            return self
+        n = _default_threads()
+        return replace(self, threads=background_threads(n) if background else n)
 
     def validate(self) -> "Settings":
         from .source import BACKENDS
@@ -128,9 +142,10 @@ def _apply(options: dict) -> Settings:
     return replace(current(), **kw).validate()
 
 
-def merge(**options) -> Settings:
-    """Current settings with per-call options applied; unknown options are an error."""
-    return _apply(options).resolved()
+def merge(*, background: bool = False, **options) -> Settings:
+    """Current settings with per-call options applied; unknown options are an error.
+    ``background``: the settings of a load that runs beside its caller (fewer default threads)."""
+    return _apply(options).resolved(background)
 
 
 @contextlib.contextmanager

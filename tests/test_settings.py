@@ -83,6 +83,28 @@ def test_options_take_effect(ckpt, caplog):
     assert any("['mmap']" in m and "1 threads" in m and "chunk 4096" in m for m in msgs), msgs
 
 
+def test_a_background_load_leaves_the_caller_cpus(monkeypatch, tmp_path):
+    """threads=0 means one per CPU (at most 16), and three quarters of that for a load the caller
+    works beside; an explicit count (option or environment) is taken as it is."""
+    monkeypatch.setattr(settings, "available_cpus", lambda: 16)
+    assert fresh(settings.merge).threads == 16
+    assert fresh(settings.merge, background=True).threads == 12
+    assert fresh(settings.merge, background=True, threads=16).threads == 16
+    monkeypatch.setattr(settings, "available_cpus", lambda: 2)
+    assert fresh(settings.merge, background=True).threads == 1
+    monkeypatch.setattr(settings, "available_cpus", lambda: 16)
+    path = tmp_path / "many.safetensors"
+    stn.save_file({f"t{i}": np.full(1024, i, np.float32) for i in range(40)}, str(path))
+    handle = fs.load_file(path, background=True, chunk_bytes=4096)
+    assert len(handle._landing.job._threads) == 12
+    assert all(np.array_equal(a, np.full(1024, int(n[1:]), np.float32)) for n, a in handle.result().items())
+    with settings.override(threads=16):
+        handle = fs.load_file(path, background=True, chunk_bytes=4096)
+    assert len(handle._landing.job._threads) == 16 and len(handle.result()) == 40
+    monkeypatch.setenv("FOXHUNT_THREADS", "16")
+    assert fresh(settings.merge, background=True).threads == 16
+
+
 # ---------------------------------------------------------------- environment
 
 def test_env_overrides_defaults(monkeypatch):

@@ -56,21 +56,19 @@ def main(argv=None) -> int:
                                                      "total_s": statistics.median(r["total_s"] for r in rs)}))
         bars = pooled
     fig, ax = plt.subplots(figsize=(0.55 * len(bars) + 2.5, 4.8))
+    height: dict[str, float] = {}   # variant -> its bar's height (the last bar of a variant)
     for i, (_, r) in enumerate(bars):
         bottom = 0.0
         for label, keys, color in groups:
             h = sum(r["phases_s"].get(k, 0.0) for k in keys)
             ax.bar(i, h, 0.75, bottom=bottom, color=color, label=label if i == 0 else None)
             bottom += h
+        height[r["variant"]] = bottom
         top = bottom if args.after_cuda else r["total_s"]
         ax.text(i, top, f"{top:.2f}" if args.after_cuda else f"{top:.1f}", ha="center", va="bottom", fontsize=7)
-    if args.after_cuda:   # issue 6's first hot bar: F + 0.25 x ((1) - F), from the bars drawn
-        height = {r["variant"]: sum(r["phases_s"].get(k, 0.0) for _, keys, _ in groups for k in keys)
-                  for _, r in bars}
-        if "F" in height and "1" in height:
-            line = height["F"] + 0.25 * (height["1"] - height["F"])
-            ax.axhline(line, color="k", linestyle="--", linewidth=0.8,
-                       label=f"F + 0.25 x ((1) - F) = {line:.2f}")
+    if args.after_cuda and "F" in height and "1" in height:   # issue 6's first hot bar, from the bars drawn
+        line = height["F"] + 0.25 * (height["1"] - height["F"])
+        ax.axhline(line, color="k", linestyle="--", linewidth=0.8, label=f"F + 0.25 x ((1) - F) = {line:.2f}")
     ax.set_xticks(range(len(bars)))
     ax.set_xticklabels([b for b, _ in bars], fontsize=7)
     ax.set_ylabel("seconds")

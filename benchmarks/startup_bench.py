@@ -233,7 +233,6 @@ RENICE = """def _renice(job, nice=10, until=1.0):
                     pass
                 done.add(t.native_id)
         time.sleep(0.005)
-import threading
 threading.Thread(target=_renice, args=(H._landing.job,), daemon=True).start()
 """
 
@@ -408,10 +407,10 @@ T["forward"] = time.time()
             names = ", names=natural_order(DIR)"
         start_load = f"""H = fs.torch.load_file(DIR, device=DEV, background=True{names}{BG_TUNING.get(variant, '')})
 """ + ("""T["load_started"] = time.time()
-""" if variant in EARLY else "") + (RENICE if variant == "2sn" else "") + """import threading
+""" if variant in EARLY else "") + """import threading
 threading.Thread(target=lambda: (H._landing.job._done.wait(), T.__setitem__("bg_load_done", time.time())),
                  daemon=True).start()
-"""
+""" + (RENICE if variant == "2sn" else "")
         body = ("""import os; os.environ["FOXHUNT_CUDART"] = "cupy"   # the runtime as before ba0f419: import cupy
 """ if variant == "2su" else "") + """
 import foxhunt_stream as fs

@@ -61,10 +61,15 @@ def test_prefetch_tuning_reaches_the_traced_variants_only():
     assert "threads=4" not in sb.child_program("2", "/d", "cpu", tune="threads=4")
 
 
-def test_print_runs_lists_each_run_with_its_side_measurements(tmp_path, capsys):
+def _print_runs():
     spec = importlib.util.spec_from_file_location("print_runs", os.path.join(os.path.dirname(_PATH), "print_runs.py"))
-    print_runs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(print_runs)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_print_runs_lists_each_run_with_its_side_measurements(tmp_path, capsys):
+    print_runs = _print_runs()
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"runs": [
         {"mode": "hot", "variant": "2s", "total_s": 14.05, "phases_s": {"import_torch": 3.8, "forward": 0.826},
@@ -98,9 +103,7 @@ def test_natural_order_puts_layer_2_before_layer_10(tmp_path):
 
 
 def test_layer_line_shows_where_the_forward_waited():
-    spec = importlib.util.spec_from_file_location("print_runs", os.path.join(os.path.dirname(_PATH), "print_runs.py"))
-    print_runs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(print_runs)
+    print_runs = _print_runs()
     landed = [0.1 * i for i in range(8)]
     fwd = [t + (0.3 if i == 5 else 0.01) for i, t in enumerate(landed)]
     line = print_runs.layer_line(landed, fwd)

@@ -30,11 +30,11 @@ from benchutil import drop_caches  # noqa: E402
 from import_interference import IMPORT  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-RECORD = ("import sys; sys.path.insert(0, {repo!r}); from foxhunt_stream import importtrace as it; it.watch_opens(); "
+RECORD = ("import sys; sys.path.insert(0, {repo!r}); from foxhunt_stream.startup import importtrace as it; it.watch_opens(); "
           "import torch, transformers; from transformers import LlamaForCausalLM; "
           "print(it.record_imports({trace!r}))")
 REPLAY = ("import sys, time; sys.path.insert(0, {repo!r}); import foxhunt_stream as fs; "
-          "from foxhunt_stream import importtrace as it, warm; {patch}"
+          "from foxhunt_stream.startup import importtrace as it, prefetch as warm; {patch}"
           "t=time.perf_counter(); h=fs.prefetch({tiny!r}, imports={trace!r}); h.wait(); a=time.perf_counter(); "
           "m=h._metadata_thread; m.join() if m else None; b=time.perf_counter(); "
           "print(f'{{a-t:.3f}} {{b-t:.3f}} {{h.module_bytes}}')")

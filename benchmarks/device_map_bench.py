@@ -31,9 +31,9 @@ sys.path.insert(0, HERE)
 import gpu_bench  # noqa: E402
 
 import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream.checkpoint import open_checkpoint  # noqa: E402
-from foxhunt_stream.device import Device, parse_device  # noqa: E402
-from foxhunt_stream.placement import resolve_device_map  # noqa: E402
+from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
+from foxhunt_stream.cuda.devices import Device, parse_device  # noqa: E402
+from foxhunt_stream.engine.placement import resolve_device_map  # noqa: E402
 
 GB = 1e9
 HEADER = ("| checkpoint GB | all on A GB/s | split A+B GB/s | split / all | H2D ceiling A / B GB/s "

@@ -6,7 +6,7 @@
     torchrun --nproc-per-node 3 benchmarks/dist_bench.py /tmp/d --make 64MiB --device cpu   # CPU box, gloo
 
 Per rank and per run: wall time of the load (from a barrier to the tensors being on the device),
-tensor bytes this rank read from disk (foxhunt_stream.source.total_bytes_read), bytes it ended
+tensor bytes this rank read from disk (foxhunt_stream.io.source.total_bytes_read), bytes it ended
 with. ``--baseline`` also times the plain load (no process_group: every rank reads everything).
 Rank 0 prints the table and, with ``--out``, writes it as JSON. The page-cache residency of the
 files before the first run is printed too: a warm cache makes disk reads look free.
@@ -29,8 +29,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream import source as fsource  # noqa: E402
-from foxhunt_stream.checkpoint import open_checkpoint  # noqa: E402
+from foxhunt_stream.io import source as fsource  # noqa: E402
+from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
 from foxhunt_stream.settings import parse_size  # noqa: E402
 
 

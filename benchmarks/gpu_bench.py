@@ -30,9 +30,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream.dtypes import DTYPES  # noqa: E402
-from foxhunt_stream.header import layout, serialize_header  # noqa: E402
-from foxhunt_stream.saver import split_shards, shard_names  # noqa: E402
+from foxhunt_stream.format.dtypes import DTYPES  # noqa: E402
+from foxhunt_stream.format.header import layout, serialize_header  # noqa: E402
+from foxhunt_stream.engine.saver import split_shards, shard_names  # noqa: E402
 
 GB = 1e9
 RESULTS: dict = {"rows": [], "errors": []}
@@ -391,7 +391,7 @@ def bench_verify(paths, total, directory):
     row("save", "foxhunt save_file -> /dev/shm with checksum=xxh3-64", total, time.perf_counter() - t0)
     try:   # the hashing kernel alone, over every loaded tensor (8 MiB blocks, one launch each)
         import cupy as cp
-        from foxhunt_stream import device_digest as dd
+        from foxhunt_stream.cuda import digest as dd
         dd.block_digests(out[next(iter(out))].data_ptr(), 8 << 20, 8 << 20, 0)   # compile outside the timing
         for _ in range(2):
             cp.cuda.Device(0).synchronize()

@@ -134,7 +134,7 @@ def raw_write(path: str, tensors, threads: int) -> None:
 
 
 def _tmpfs_with_room(path: str, nbytes: int) -> bool:
-    from foxhunt_stream.sink import _in_memory_fs
+    from foxhunt_stream.io.sink import _in_memory_fs
     if not os.path.isdir(path) or not _in_memory_fs(path):
         return False
     st = os.statvfs(path)

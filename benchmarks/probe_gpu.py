@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream import loader, source as fsource, target as ftarget  # noqa: E402
+from foxhunt_stream.engine import loader, targets as ftarget
+from foxhunt_stream.io import source as fsource  # noqa: E402
 
 EVENTS: list[tuple] = []
 
@@ -185,7 +186,7 @@ def main():
     del pre
     # the fixed costs outside the pipeline
     pc = time.perf_counter
-    from foxhunt_stream.checkpoint import open_checkpoint
+    from foxhunt_stream.io.checkpoint import open_checkpoint
     t = pc()
     ck = open_checkpoint(src)
     t_open = pc() - t
@@ -220,7 +221,7 @@ import time; t0=time.perf_counter()
 import cupy as cp; t1=time.perf_counter()
 cp.cuda.Device(0).use(); cp.cuda.runtime.free(cp.cuda.runtime.malloc(1)); t2=time.perf_counter()
 import numpy as np, threading
-from foxhunt_stream.device import context
+from foxhunt_stream.cuda.devices import context
 ctx=context(0); p=ctx.pool(8<<20|8192, 64); t3=time.perf_counter()
 bufs=[]
 def a():

@@ -299,8 +299,8 @@ T["prefetch_started"] = time.time()
         prio = {"2tn": ', priority="normal"', "2T": ", names=[]", "2tr": f", max_rate={rate!r}",
                 "2tx": ", helper_process=True", "2ty": ", helper_process=True"}.get(variant, "")
         prio += f", {tune}" if tune else ""
-        pace = f"import foxhunt_stream.warm; foxhunt_stream.warm.PACED_BYTES = {int(step)}\n" if step else ""
-        pace += "".join(f"import foxhunt_stream.warm; foxhunt_stream.warm.{a.strip()}\n"
+        pace = f"import foxhunt_stream.startup.prefetch; foxhunt_stream.startup.prefetch.PACED_BYTES = {int(step)}\n" if step else ""
+        pace += "".join(f"import foxhunt_stream.startup.prefetch; foxhunt_stream.warm.{a.strip()}\n"
                         for a in warm_set.split(";") if a.strip())
         pre = f"""
 import foxhunt_stream as fs
@@ -715,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch-step", type=int, default=None,
                     help="bytes per call of the idle / paced prefetch readers (warm.PACED_BYTES, default 4 MiB)")
     ap.add_argument("--prefetch-set", default="",
-                    help="';'-separated foxhunt_stream.warm settings for the 2t variants, "
+                    help="';'-separated foxhunt_stream.startup.prefetch settings for the 2t variants, "
                          "e.g. \"IDLE_READ='pread'; PACED_BYTES=1<<20\"")
     ap.add_argument("--stall-sample", metavar="DIR",
                     help="each child samples its main thread's waits (benchmarks/stall_sampler.py) into DIR")

@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import foxhunt_stream as fs  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import h2d_rate, memcpy_rate  # noqa: E402
-from foxhunt_stream import source as fsource  # noqa: E402
-from foxhunt_stream.checkpoint import open_checkpoint  # noqa: E402
+from foxhunt_stream.io import source as fsource  # noqa: E402
+from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
 from foxhunt_stream.settings import parse_size  # noqa: E402
-from foxhunt_stream.source import resident_fraction  # noqa: E402
+from foxhunt_stream.io.source import resident_fraction  # noqa: E402
 
 
 # ---------------------------------------------------------------- building checkpoints

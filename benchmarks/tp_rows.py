@@ -24,9 +24,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream import loader  # noqa: E402
-from foxhunt_stream.checkpoint import open_checkpoint  # noqa: E402
-from foxhunt_stream.shard import indices_for  # noqa: E402
+from foxhunt_stream.engine import loader  # noqa: E402
+from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
+from foxhunt_stream.format.tp import indices_for  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import run_jobs  # noqa: E402

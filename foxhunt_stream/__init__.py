@@ -19,10 +19,12 @@ __version__ = "0.1.0"
 # milliseconds and imports neither numpy nor torch nor cupy; the first ``fs.load_file`` pays
 # for the modules it needs. Name -> the module that defines it.
 _LAZY = {
-    "read_header": "checkpoint", "DistributedLoadError": "distributed", "VerifyReport": "integrity",
-    "verify": "integrity", "LoadHandle": "loader", "LoadIntoWarning": "loader", "load_file": "loader",
-    "load_into": "loader", "safe_open": "loader", "PrefetchHandle": "warm", "prefetch": "warm",
-    "warmup": "warm", "WarmupHandle": "warm", "record_imports": "importtrace", "save_file": "saver", "Shard": "shard", "clean_stale_temps": "sink",
+    "read_header": "io.checkpoint", "DistributedLoadError": "distributed.load", "VerifyReport": "integrity.verifier",
+    "verify": "integrity.verifier", "LoadHandle": "engine.loader", "LoadIntoWarning": "engine.loader",
+    "load_file": "engine.loader", "load_into": "engine.loader", "safe_open": "engine.loader",
+    "PrefetchHandle": "startup.prefetch", "prefetch": "startup.prefetch", "warmup": "startup.prefetch",
+    "WarmupHandle": "startup.prefetch", "record_imports": "startup.importtrace", "save_file": "engine.saver",
+    "Shard": "format.tp", "clean_stale_temps": "io.sink",
 }
 
 __all__ = [
@@ -34,15 +36,15 @@ __all__ = [
 
 if TYPE_CHECKING:   # what static tools see; at run time these load lazily
     from . import settings
-    from .checkpoint import read_header
-    from .distributed import DistributedLoadError
-    from .integrity import VerifyReport, verify
-    from .loader import LoadHandle, LoadIntoWarning, load_file, load_into, safe_open
-    from .importtrace import record_imports
-    from .warm import PrefetchHandle, WarmupHandle, prefetch, warmup
-    from .saver import save_file
-    from .shard import Shard
-    from .sink import clean_stale_temps
+    from .io.checkpoint import read_header
+    from .distributed.load import DistributedLoadError
+    from .integrity.verifier import VerifyReport, verify
+    from .engine.loader import LoadHandle, LoadIntoWarning, load_file, load_into, safe_open
+    from .startup.importtrace import record_imports
+    from .startup.prefetch import PrefetchHandle, WarmupHandle, prefetch, warmup
+    from .engine.saver import save_file
+    from .format.tp import Shard
+    from .io.sink import clean_stale_temps
 
 
 def __getattr__(name: str):

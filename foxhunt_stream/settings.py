@@ -67,7 +67,7 @@ class Settings:
         return replace(self, threads=background_threads(n) if background else n)
 
     def validate(self) -> "Settings":
-        from .source import BACKENDS
+        from .io.source import BACKENDS
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
             raise ValueError(f"threads must be a non-negative int, got {self.threads!r}")
         if self.chunk_bytes < 4096:

@@ -26,12 +26,12 @@ from typing import Mapping
 
 import torch
 
-from foxhunt_stream import loader as _loader
-from foxhunt_stream.checkpoint import open_checkpoint
-from foxhunt_stream.device import parse_device
-from foxhunt_stream.dtypes import host_shape
-from foxhunt_stream.errors import StoreMismatchError
-from foxhunt_stream.frameworks import TorchFramework
+from .engine import loader as _loader
+from .io.checkpoint import open_checkpoint
+from .cuda.devices import parse_device
+from .format.dtypes import host_shape
+from .errors import StoreMismatchError
+from .engine.frameworks import TorchFramework
 
 log = logging.getLogger("foxhunt_stream")
 
@@ -78,7 +78,7 @@ def load_file(filename: str | os.PathLike, device: str | int = "cpu", **options)
 def save_file(tensors: Mapping[str, torch.Tensor], filename: str | os.PathLike,
               metadata: Mapping[str, str] | None = None, **options) -> None:
     """``safetensors.torch.save_file``: byte-identical output, written atomically."""
-    from foxhunt_stream import saver as _saver   # imported by saves only
+    from .engine import saver as _saver  # imported by saves only
     _saver.save_file(tensors, filename, metadata=metadata, **options)
 
 
@@ -162,7 +162,7 @@ def save_model(model: torch.nn.Module, filename: str | os.PathLike, metadata: Ma
                 meta = {}
             meta.setdefault(name, kept)
             del state[name]
-    from foxhunt_stream import saver as _saver
+    from .engine import saver as _saver
     _saver.save_file(state, filename, metadata=meta, **options)
 
 

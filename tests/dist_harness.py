@@ -29,9 +29,9 @@ def main(rank: int, world: int, init_file: str, ckpt: str, out: str, backend: st
     import torch.distributed as dist
 
     import foxhunt_stream as fs
-    from foxhunt_stream import source
-    from foxhunt_stream.checkpoint import open_checkpoint
-    from foxhunt_stream.distributed import DistributedLoadError
+    from foxhunt_stream.io import source
+    from foxhunt_stream.io.checkpoint import open_checkpoint
+    from foxhunt_stream.distributed.load import DistributedLoadError
 
     torch.set_num_threads(1)
     device = device.replace("{rank}", str(rank))

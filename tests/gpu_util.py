@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import foxhunt_stream as fs
-from foxhunt_stream.dtypes import DTYPES
-from foxhunt_stream.header import layout, serialize_header
+from foxhunt_stream.format.dtypes import DTYPES
+from foxhunt_stream.format.header import layout, serialize_header
 
 
 def require_gpu():

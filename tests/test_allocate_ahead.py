@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import foxhunt_stream as fs
-from foxhunt_stream import frameworks, source
-from foxhunt_stream.plan import Selection, plan_load
-from foxhunt_stream.checkpoint import open_checkpoint
+from foxhunt_stream.engine import frameworks
+from foxhunt_stream.io import source
+from foxhunt_stream.format.plan import Selection, plan_load
+from foxhunt_stream.io.checkpoint import open_checkpoint
 
 
 @pytest.fixture
@@ -77,7 +78,7 @@ def test_workers_held_back_start_when_the_allocator_is_done(ckpt, monkeypatch):
     """While the allocating thread runs, the last workers wait (leaving it a CPU); they start as
     soon as it finishes, and the load lands everything."""
     p, tensors = ckpt
-    from foxhunt_stream import loader
+    from foxhunt_stream.engine import loader
     events: list[tuple[str, str, float]] = []
     lock = threading.Lock()
     real_empty = frameworks.NumpyFramework.empty
@@ -111,7 +112,7 @@ def test_workers_held_back_start_when_the_allocator_is_done(ckpt, monkeypatch):
 
 
 def test_held_workers_leave_two_cpus():
-    from foxhunt_stream.loader import held_workers
+    from foxhunt_stream.engine.loader import held_workers
     assert held_workers(16, cpus=16) == 2
     assert held_workers(14, cpus=16) == 0
     assert held_workers(16, cpus=32) == 0
@@ -120,7 +121,7 @@ def test_held_workers_leave_two_cpus():
 
 
 def test_job_release_before_or_after_start():
-    from foxhunt_stream.pipeline import Job
+    from foxhunt_stream.engine.pipeline import Job
     seen = []
     lock = threading.Lock()
 

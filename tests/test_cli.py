@@ -19,10 +19,10 @@ import pytest
 import safetensors.numpy as stn
 
 import foxhunt_stream as fs
-from foxhunt_stream import cli
-from foxhunt_stream.dtypes import DTYPES
-from foxhunt_stream.progress import progress_bar
-from foxhunt_stream.saver import RawTensor
+from foxhunt_stream.cli import main as cli
+from foxhunt_stream.format.dtypes import DTYPES
+from foxhunt_stream.engine.progress import progress_bar
+from foxhunt_stream.engine.saver import RawTensor
 
 ROOT = Path(__file__).resolve().parents[1]
 

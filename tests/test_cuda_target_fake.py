@@ -18,8 +18,11 @@ SCRIPT = textwrap.dedent("""
     import numpy as np
     import cupy
     assert cupy.__version__ == "fake"
-    from foxhunt_stream import device, plan, source, target
-    from foxhunt_stream.frameworks import Buffer
+    from foxhunt_stream.cuda import devices as device
+    from foxhunt_stream.format import plan
+    from foxhunt_stream.io import source
+    from foxhunt_stream.engine import targets as target
+    from foxhunt_stream.engine.frameworks import Buffer
 
     path = sys.argv[1]
     data = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
@@ -28,7 +31,7 @@ SCRIPT = textwrap.dedent("""
     dev_mem = np.zeros(1 << 16, np.uint8)              # the "device" buffer
     buf = Buffer(device.Device("cuda", 0), dev_mem.nbytes, None, dev_mem.ctypes.data)
 
-    from foxhunt_stream import cudart
+    from foxhunt_stream.cuda import runtime as cudart
     assert cudart.runtime() is cupy.cuda.runtime         # the stand-in's, through its cupy_backends
     t = target.CudaTarget(0, 4096, 8, threads=2)       # 8 slots, 4 per worker
     assert t.per_worker == 4 and t.pool().allocated == 0   # pinned on demand, not up front
@@ -90,8 +93,9 @@ SCRIPT = textwrap.dedent("""
     # a whole Landing onto the stand-in "GPU": more threads than slots are capped, the data lands,
     # checksums are checked on the way, every slot comes back
     import foxhunt_stream as fs
-    from foxhunt_stream import loader, settings
-    from foxhunt_stream.checkpoint import open_checkpoint
+    from foxhunt_stream import settings
+    from foxhunt_stream.engine import loader
+    from foxhunt_stream.io.checkpoint import open_checkpoint
     rng = np.random.default_rng(1)
     tensors = {f"t{i}": rng.standard_normal(3000 + 977 * i).astype(np.float32) for i in range(6)}
     ck_path = path + ".safetensors"

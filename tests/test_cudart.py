@@ -1,4 +1,4 @@
-"""foxhunt_stream.cudart takes the CUDA runtime from cupy_backends alone, without importing cupy
+"""foxhunt_stream.cuda.runtime takes the CUDA runtime from cupy_backends alone, without importing cupy
 (whose import sat on the critical path of a GPU load), falls back to cupy's when that is not
 importable, and says how to install cupy when neither is. Subprocesses with stand-in packages:
 no GPU needed, and no real cupy is shadowed in this process."""
@@ -36,7 +36,8 @@ RUNTIME = textwrap.dedent("""
 
 SCRIPT = textwrap.dedent("""
     import gc, sys
-    from foxhunt_stream import cudart, device
+    from foxhunt_stream.cuda import runtime as cudart
+    from foxhunt_stream.cuda import devices as device
     from cupy_backends.cuda.api import runtime as rt
     device.check_device(device.Device("cuda", 0))
     s, e = cudart.Stream(), cudart.Event()
@@ -81,14 +82,14 @@ def test_the_runtime_comes_without_importing_cupy(tmp_path):
 
 def test_without_cupy_backends_cupys_runtime_is_used():
     r = _run("import sys; sys.modules['cupy_backends'] = None\n"
-             "import cupy; from foxhunt_stream import cudart\n"
+             "import cupy; from foxhunt_stream.cuda import runtime as cudart\n"
              "assert cudart.runtime() is cupy.cuda.runtime; print('ok')", [FAKE_CUPY])
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
 def test_foxhunt_cudart_cupy_takes_cupys_runtime_even_with_cupy_backends(tmp_path):
     _fake_backends(tmp_path)
-    r = subprocess.run([sys.executable, "-c", "import cupy; from foxhunt_stream import cudart\n"
+    r = subprocess.run([sys.executable, "-c", "import cupy; from foxhunt_stream.cuda import runtime as cudart\n"
                         "assert cudart.runtime() is cupy.cuda.runtime; print('ok')"], capture_output=True, text=True,
                        timeout=60, env={**os.environ, "FOXHUNT_CUDART": "cupy",
                                         "PYTHONPATH": os.pathsep.join([str(tmp_path), FAKE_CUPY, REPO])})
@@ -99,7 +100,8 @@ def test_without_either_a_gpu_load_says_how_to_install_cupy():
     r = _run("import sys; sys.modules['cupy_backends'] = None; sys.modules['cupy'] = None\n"
              "import foxhunt_stream as fs\n"
              "try:\n"
-             "    fs.device.check_device(fs.device.Device('cuda', 0))\n"
+             "    from foxhunt_stream.cuda import devices\n"
+             "    devices.check_device(devices.Device('cuda', 0))\n"
              "except fs.DeviceError as e:\n"
              "    print('DeviceError:', e)\n", [])
     assert r.returncode == 0 and "needs cupy" in r.stdout and "pip install" in r.stdout, r.stderr[-3000:] + r.stdout

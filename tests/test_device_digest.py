@@ -1,4 +1,4 @@
-"""The xxh3-64 block digests meant for the GPU (foxhunt_stream.device_digest): the numpy
+"""The xxh3-64 block digests meant for the GPU (foxhunt_stream.cuda.digest): the numpy
 reference against python-xxhash on the host, the kernel's secret layout through a line-by-line
 Python mirror of its steps, and (on a GPU) the kernel itself against python-xxhash."""
 
@@ -9,7 +9,7 @@ import pytest
 
 xxhash = pytest.importorskip("xxhash")
 
-from foxhunt_stream import device_digest as dd  # noqa: E402
+from foxhunt_stream.cuda import digest as dd  # noqa: E402
 
 LENGTHS = [241, 255, 256, 300, 1023, 1024, 1025, 1088, 2047, 2048, 2049, 4096, 5000, 12345, 65536]
 
@@ -103,7 +103,7 @@ def test_kernel_steps_and_keys_match_xxhash(length):
 @pytest.mark.parametrize("block", [4096, 1 << 20])
 def test_gpu_kernel_matches_xxhash(block):
     cp = pytest.importorskip("cupy")
-    from foxhunt_stream.device import cuda_available
+    from foxhunt_stream.cuda.devices import cuda_available
     if not cuda_available():
         pytest.skip("needs a CUDA GPU")
     rng = np.random.default_rng(block)
@@ -133,7 +133,7 @@ def test_block_table_cuts_spans_into_blocks():
 @pytest.mark.gpu
 def test_gpu_kernel_hashes_many_spans_in_one_launch():
     cp = pytest.importorskip("cupy")
-    from foxhunt_stream.device import cuda_available
+    from foxhunt_stream.cuda.devices import cuda_available
     if not cuda_available():
         pytest.skip("needs a CUDA GPU")
     rng = np.random.default_rng(7)

@@ -9,12 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import foxhunt_stream as fs
-from foxhunt_stream import source
-from foxhunt_stream.device import CPU, Device
-from foxhunt_stream.dtypes import DTYPES
-from foxhunt_stream.header import TensorInfo
-from foxhunt_stream.placement import device_for, interleave_by_device, parse_device_map, resolve_device_map
-from foxhunt_stream.plan import Selection, plan_load
+from foxhunt_stream.io import source
+from foxhunt_stream.cuda.devices import CPU, Device
+from foxhunt_stream.format.dtypes import DTYPES
+from foxhunt_stream.format.header import TensorInfo
+from foxhunt_stream.engine.placement import device_for, interleave_by_device, parse_device_map, resolve_device_map
+from foxhunt_stream.format.plan import Selection, plan_load
 from tests.gpu_util import write_random_file
 
 C0, C1 = Device("cuda", 0), Device("cuda", 1)

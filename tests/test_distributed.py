@@ -14,7 +14,7 @@ import sys
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from foxhunt_stream.distributed import assign_owners, exchange_windows
+from foxhunt_stream.distributed.load import assign_owners, exchange_windows
 
 
 

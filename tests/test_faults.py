@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import foxhunt_stream as fs
-from foxhunt_stream import sink, source
-from foxhunt_stream.pipeline import Job
+from foxhunt_stream.io import sink, source
+from foxhunt_stream.engine.pipeline import Job
 
 SMALL = dict(chunk_bytes=4096, staging_bytes=32 << 10)
 BACKENDS = [dict(backend="pread", direct_io="off"), dict(backend="mmap", direct_io="off"), dict(direct_io="on")]
@@ -153,7 +153,7 @@ def test_file_growing_or_rewritten_mid_load_is_caught(ckpt, monkeypatch, clean_p
 def test_file_replaced_between_header_and_data_is_read_again(ckpt, monkeypatch, clean_process, front):
     """An atomic save landing between the header read and the data open must not mix versions:
     the load starts over and returns the new version whole; a file replaced every time is refused."""
-    from foxhunt_stream import checkpoint
+    from foxhunt_stream.io import checkpoint
     real = checkpoint._read_header
     pending = [model(1)]
     calls = []
@@ -264,7 +264,7 @@ KILLED_SAVE = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
     import foxhunt_stream as fs
-    from foxhunt_stream import sink
+    from foxhunt_stream.io import sink
     calls = [0]
     def hook(f, offset, length):
         calls[0] += 1

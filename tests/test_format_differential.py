@@ -27,7 +27,8 @@ import safetensors
 
 import foxhunt_stream as fs
 from foxhunt_stream import FormatError
-from foxhunt_stream.header import parse_header
+from foxhunt_stream.format.dtypes import DTYPES
+from foxhunt_stream.format.header import parse_header
 from format_support import BITS, STRICTER, build, entry, expected_bytes, packed
 
 F32x2 = entry("F32", [2], 0)          # 8 bytes of data
@@ -195,7 +196,7 @@ ACCEPT = {
                               bytes(range(6))),
 }
 
-# What our numpy arrays hold for each dtype (independent of foxhunt_stream.dtypes).
+# What our numpy arrays hold for each dtype (independent of foxhunt_stream.format.dtypes).
 NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16, "F16": np.float16,
          "BF16": ml_dtypes.bfloat16, "I32": np.int32, "U32": np.uint32, "F32": np.float32, "F64": np.float64,
          "I64": np.int64, "U64": np.uint64, "C64": np.complex64, "F8_E4M3": ml_dtypes.float8_e4m3fn,
@@ -302,7 +303,7 @@ def test_accepted_like_the_reference(name, tmp_path):
 def test_every_dtype_case_covers_all_22():
     assert len(BITS) == 22
     header, _ = _every_dtype()
-    assert {e["dtype"] for e in header.values()} == set(BITS) == set(NUMPY) == set(fs.dtypes.DTYPES)
+    assert {e["dtype"] for e in header.values()} == set(BITS) == set(NUMPY) == set(DTYPES)
 
 
 def _peak_while(fn) -> int:

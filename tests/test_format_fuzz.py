@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import foxhunt_stream as fs
 from foxhunt_stream import FormatError
-from foxhunt_stream.header import parse_header
+from foxhunt_stream.format.header import parse_header
 from format_support import build, documented_stricter, expected_bytes, mutate, reference_verdict, seed_files
 
 SEEDS = seed_files()

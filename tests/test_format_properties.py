@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import foxhunt_stream as fs
-from foxhunt_stream.dtypes import DTYPES
-from foxhunt_stream.header import N_LEN, TensorInfo, parse_header
-from foxhunt_stream.plan import Run, Selection, plan_load, plan_save, slice_runs, split_run
+from foxhunt_stream.format.dtypes import DTYPES
+from foxhunt_stream.format.header import N_LEN, TensorInfo, parse_header
+from foxhunt_stream.format.plan import Run, Selection, plan_load, plan_save, slice_runs, split_run
 
 def bounded(n: int) -> settings:
     return settings(max_examples=n, deadline=None,
@@ -257,7 +257,7 @@ def test_slice_runs_copy_exactly_the_selection(shape, itemsize, data):
 def test_shard_indices_take_a_short_path_with_the_same_runs(shape, itemsize, data):
     """``x[a:b]`` and ``x[:, a:b]`` (tensor-parallel shards) skip the general planner: the runs
     are exactly the ones it would make, empty and full slices included."""
-    from foxhunt_stream import plan as fplan
+    from foxhunt_stream.format import plan as fplan
     nbytes = int(np.prod(shape)) * itemsize
     info = TensorInfo("t", DTYPES[UINT[itemsize]], tuple(shape), 8, 8 + nbytes)
     dim = data.draw(st.integers(0, min(1, len(shape) - 1))) if shape else 0
@@ -367,7 +367,7 @@ def test_integers_beyond_a_double_are_still_rejected_in_unknown_fields(digits):
     such a run must still switch it on (serde_json: "number out of range")."""
     import struct
     from foxhunt_stream.errors import FormatError
-    from foxhunt_stream.header import parse_header
+    from foxhunt_stream.format.header import parse_header
     body = ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":' + "9" * digits + "}}").encode()
     body += b" " * (-len(body) % 8)
     with pytest.raises(FormatError) as e:

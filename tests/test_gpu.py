@@ -8,7 +8,7 @@ import pytest
 import safetensors.numpy as stn
 
 import foxhunt_stream as fs
-from foxhunt_stream import device as fdev
+from foxhunt_stream.cuda import devices as fdev
 from gpu_util import ALL_DTYPE_SPECS, require_gpu, write_random_file
 
 pytestmark = pytest.mark.gpu
@@ -189,7 +189,7 @@ def test_no_memory_growth_over_repeated_loads(tmp_path, cp):
 
 
 def test_read_error_releases_everything(tmp_path, cp):
-    from foxhunt_stream import source
+    from foxhunt_stream.io import source
     write_random_file(tmp_path / "m.safetensors", [(f"w{i}", "F32", (256, 256)) for i in range(4)])
     pool = cp.get_default_memory_pool()
     fs.load_file(tmp_path / "m.safetensors", device="cuda:0", chunk_bytes=64 << 10, staging_bytes=1 << 20)
@@ -276,7 +276,7 @@ def test_gpu_sharded_save_reloads_through_index(tmp_path, cp):
 
 
 def test_gpu_save_failure_leaves_old_file(tmp_path, cp):
-    from foxhunt_stream import sink
+    from foxhunt_stream.io import sink
     write_random_file(tmp_path / "src.safetensors", [(f"w{i}", "F32", (256, 64)) for i in range(4)])
     on_gpu = fs.load_file(tmp_path / "src.safetensors", device="cuda:0")
     target = tmp_path / "ckpt.safetensors"

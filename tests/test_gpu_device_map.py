@@ -13,7 +13,7 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream.device import cuda_available  # noqa: E402
+from foxhunt_stream.cuda.devices import cuda_available  # noqa: E402
 from tests.gpu_util import write_random_file  # noqa: E402
 
 pytestmark = [
@@ -124,7 +124,7 @@ def test_default_framework_is_cupy_when_a_gpu_is_mapped(ckpt):
 
 
 def test_gpu_beyond_the_last_fails_before_reading(ckpt, monkeypatch):
-    from foxhunt_stream import source
+    from foxhunt_stream.io import source
     path, _ = ckpt
     before = source.total_bytes_read()
     with pytest.raises(fs.DeviceError, match="no such GPU"):

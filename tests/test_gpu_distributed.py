@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("cupy")
 import torch.distributed as dist  # noqa: E402
 
-from foxhunt_stream import device as fs_device  # noqa: E402
+from foxhunt_stream.cuda import devices as fs_device  # noqa: E402
 
 if not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and fs_device.cuda_available()):
     pytest.skip("needs two CUDA GPUs visible to torch and cupy", allow_module_level=True)

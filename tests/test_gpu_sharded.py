@@ -10,9 +10,9 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream.device import cuda_available  # noqa: E402
-from foxhunt_stream.dtypes import from_numpy  # noqa: E402
-from foxhunt_stream.frameworks import CupyFramework, expected_host_dtype  # noqa: E402
+from foxhunt_stream.cuda.devices import cuda_available  # noqa: E402
+from foxhunt_stream.format.dtypes import from_numpy  # noqa: E402
+from foxhunt_stream.engine.frameworks import CupyFramework, expected_host_dtype  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,8 +17,9 @@ torch = pytest.importorskip("torch")
 cp = pytest.importorskip("cupy")
 
 import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream import device as fs_device, source  # noqa: E402
-from foxhunt_stream.checkpoint import open_checkpoint  # noqa: E402
+from foxhunt_stream.cuda import devices as fs_device
+from foxhunt_stream.io import source  # noqa: E402
+from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
 
 if not (torch.cuda.is_available() and fs_device.cuda_available()):
     pytest.skip("needs a CUDA GPU visible to both torch and cupy", allow_module_level=True)

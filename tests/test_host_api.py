@@ -23,8 +23,8 @@ import safetensors.numpy as stn
 from safetensors import safe_open as ref_safe_open
 
 import foxhunt_stream as fs
-from foxhunt_stream import sink, source
-from foxhunt_stream.sink import TEMP_MARK
+from foxhunt_stream.io import sink, source
+from foxhunt_stream.io.sink import TEMP_MARK
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -21,7 +21,7 @@ def _run(code: str) -> str:
 
 def test_import_loads_no_heavy_module():
     out = _run("import sys, foxhunt_stream as fs; "
-               "print(sorted(m for m in ('numpy', 'torch', 'cupy', 'ml_dtypes', 'foxhunt_stream.loader') "
+               "print(sorted(m for m in ('numpy', 'torch', 'cupy', 'ml_dtypes', 'foxhunt_stream.engine.loader') "
                "if m in sys.modules))")
     assert out == "[]"
 
@@ -31,13 +31,13 @@ def test_every_public_name_resolves():
         value = getattr(fs, name)
         assert value is not None, name
     assert callable(fs.prefetch) and callable(fs.load_file) and fs.settings.merge   # functions, not modules
-    from foxhunt_stream.loader import load_file
+    from foxhunt_stream.engine.loader import load_file
     assert fs.load_file is load_file
     assert set(fs.__all__) <= set(dir(fs))
 
 
 def test_prefetch_stays_the_function_after_the_loader_imports_its_module():
-    out = _run("import foxhunt_stream as fs; import foxhunt_stream.loader; print(callable(fs.prefetch), "
+    out = _run("import foxhunt_stream as fs; import foxhunt_stream.engine.loader; print(callable(fs.prefetch), "
                "type(fs.prefetch).__name__)")
     assert out == "True function"
 
@@ -57,6 +57,7 @@ def test_a_load_imports_neither_prefetch_nor_checksum_nor_save_code():
                "h = json.dumps({'x': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 8]}}).encode()\n"
                "open(p, 'wb').write(struct.pack('<Q', len(h)) + h + np.arange(2, dtype=np.float32).tobytes())\n"
                "assert fs.load_file(p)['x'].tolist() == [0.0, 1.0]\n"
-               "print(sorted(m for m in ('foxhunt_stream.warm', 'foxhunt_stream.codewarm', 'foxhunt_stream.importtrace',"
-               " 'foxhunt_stream.integrity', 'foxhunt_stream.saver') if m in sys.modules))")
+               "print(sorted(m for m in ('foxhunt_stream.startup.prefetch', 'foxhunt_stream.startup.code_files',"
+               " 'foxhunt_stream.startup.importtrace', 'foxhunt_stream.integrity.verifier',"
+               " 'foxhunt_stream.engine.saver') if m in sys.modules))")
     assert out == "[]"

@@ -14,11 +14,17 @@ import numpy as np
 import pytest
 
 import foxhunt_stream as fs
-from foxhunt_stream import codewarm
-from foxhunt_stream import importtrace as itrace
-from foxhunt_stream import warm
-from foxhunt_stream.importtrace import (format_trace, merge_ranges, order_loaded_files, parse_import_trace,
-                                        present_runs, trace_files)
+from foxhunt_stream.startup import code_files as codewarm
+from foxhunt_stream.startup import importtrace as itrace
+from foxhunt_stream.startup import prefetch as warm
+from foxhunt_stream.startup.importtrace import (
+    format_trace,
+    merge_ranges,
+    order_loaded_files,
+    parse_import_trace,
+    present_runs,
+    trace_files,
+)
 
 SP = os.path.join(os.sep, "py", "site-packages")
 STD = os.path.join(os.sep, "py", "lib")
@@ -121,7 +127,7 @@ def test_record_imports_lists_this_process_code_in_import_order(tmp_path):
     source), a module imported later is listed later, and only the trace file is left behind."""
     trace = tmp_path / "sub" / "imports.txt"
     code = ("import sys; sys.path.insert(0, sys.argv[2])\n"
-            "import foxhunt_stream.importtrace as w\n"
+            "import foxhunt_stream.startup.importtrace as w\n"
             "import colorsys\n"
             "print(w.record_imports(sys.argv[1]))\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(fs.__file__)))
@@ -280,7 +286,7 @@ def test_code_files_are_hinted_at_normal_priority_while_the_checkpoint_idles(tmp
 # ---------------------------------------------------------------- warming without a copy
 
 def test_sendfile_to_null_warms_the_range_and_stops_at_end_of_file(tmp_path):
-    from foxhunt_stream.source import resident_fraction, sendfile_to_null
+    from foxhunt_stream.io.source import resident_fraction, sendfile_to_null
     f = tmp_path / "blob"
     f.write_bytes(os.urandom(3 << 20))
     fd = os.open(f, os.O_RDONLY)
@@ -298,7 +304,8 @@ def test_sendfile_to_null_warms_the_range_and_stops_at_end_of_file(tmp_path):
 def test_file_source_warm_falls_back_to_reads_and_reports_truncation(tmp_path, monkeypatch):
     import errno as _errno
 
-    from foxhunt_stream import errors, source
+    from foxhunt_stream import errors
+    from foxhunt_stream.io import source
     f = tmp_path / "blob"
     f.write_bytes(b"z" * 10_000)
     calls = []
@@ -322,7 +329,7 @@ def test_prefetch_takes_the_gil_back_once_per_64_mib_not_per_mib(tmp_path, monke
     """A reader that needs the GIL after every 1 MiB read makes the importing main thread wait at
     each of its own system calls; at normal priority the checkpoint is warmed with one call per
     64 MiB piece."""
-    from foxhunt_stream import source
+    from foxhunt_stream.io import source
     path = str(tmp_path / "big.safetensors")
     fs.save_file({"w": np.zeros(40 << 20, np.uint8), "v": np.zeros(100, np.uint8)}, path)
     calls = []
@@ -336,7 +343,7 @@ def test_prefetch_takes_the_gil_back_once_per_64_mib_not_per_mib(tmp_path, monke
 def test_idle_readers_take_small_steps_until_a_load_begins(tmp_path, monkeypatch):
     """priority="idle": 4 MiB per call, so the kernel's readahead does not keep the disk's queue
     full in front of the imports; once a load of the file starts, 64 MiB per call."""
-    from foxhunt_stream import source
+    from foxhunt_stream.io import source
     path = str(tmp_path / "big.safetensors")
     fs.save_file({"w": np.zeros(40 << 20, np.uint8)}, path)
     calls = []
@@ -417,7 +424,7 @@ def test_a_recorded_trace_holds_the_files_and_directories_the_start_read(tmp_pat
     listed.mkdir()
     trace = tmp_path / "imports.txt"
     code = ("import sys, os; sys.path.insert(0, sys.argv[2])\n"
-            "import foxhunt_stream.importtrace as w\n"
+            "import foxhunt_stream.startup.importtrace as w\n"
             "w.watch_opens()\n"
             "import colorsys\n"
             "open(sys.argv[3]).read(); os.listdir(sys.argv[4])\n"
@@ -582,7 +589,7 @@ def test_sendfile_that_stops_part_way_is_finished_with_reads(tmp_path, monkeypat
     with pread, not reported as a failed prefetch (before: the OSError ended the whole prefetch)."""
     import errno as _errno
 
-    from foxhunt_stream import source
+    from foxhunt_stream.io import source
     f = tmp_path / "blob"
     f.write_bytes(b"z" * 10_000)
     real_sendfile, calls = os.sendfile, []
@@ -604,7 +611,7 @@ def test_sendfile_that_stops_part_way_is_finished_with_reads(tmp_path, monkeypat
 def test_reader_threads_starting_together_open_dev_null_once(tmp_path, monkeypatch):
     import time
 
-    from foxhunt_stream import source
+    from foxhunt_stream.io import source
     f = tmp_path / "blob"
     f.write_bytes(b"z" * 1000)
     monkeypatch.setattr(source, "_devnull", -2)
@@ -660,7 +667,7 @@ def test_a_pacer_rate_must_be_a_number_not_a_flag():
 def test_sendfile_never_writes_into_a_descriptor_that_is_no_longer_dev_null(tmp_path, monkeypatch):
     """Something closed our /dev/null descriptor and the number now names a file: the next warm
     must notice (fstat) and open /dev/null again instead of sending checkpoint bytes there."""
-    from foxhunt_stream import source
+    from foxhunt_stream.io import source
     src = tmp_path / "src.bin"
     src.write_bytes(b"s" * 100_000)
     victim = tmp_path / "victim.txt"
@@ -739,7 +746,7 @@ def test_idle_pread_mode_queues_one_step_until_a_load_begins(tmp_path, monkeypat
     """warm.IDLE_READ = "pread": the idle readers' files are advised POSIX_FADV_RANDOM and read
     through a buffer (no readahead, so one step queued per reader); unthrottle() advises
     POSIX_FADV_NORMAL again. The bytes still land, in process or in the helper."""
-    from foxhunt_stream import source
+    from foxhunt_stream.io import source
     path = str(tmp_path / "big.safetensors")
     data = np.arange(6 << 20, dtype=np.uint8)
     fs.save_file({"w": data}, path)

@@ -18,10 +18,12 @@ import safetensors.numpy as stn
 from hypothesis import given, settings as hsettings, strategies as st
 
 import foxhunt_stream as fs
-from foxhunt_stream import integrity, source
-from foxhunt_stream.dtypes import DTYPES
-from foxhunt_stream.header import TensorInfo
-from foxhunt_stream.plan import Selection, plan_load
+from foxhunt_stream.integrity import verifier as integrity
+from foxhunt_stream.io import source
+from foxhunt_stream.io.checkpoint import open_checkpoint
+from foxhunt_stream.format.dtypes import DTYPES
+from foxhunt_stream.format.header import TensorInfo
+from foxhunt_stream.format.plan import Selection, plan_load
 
 xxhash = pytest.importorskip("xxhash")
 google_crc32c = pytest.importorskip("google_crc32c")
@@ -494,9 +496,9 @@ def test_landed_verification_in_the_background(saved):
 def test_verify_on_auto_hashes_on_the_gpu_only_what_lands_there(saved):
     """The default, verify_on="auto": xxh3-64 tensors bound for a GPU are hashed there once they
     have landed; host destinations (and crc32c files) are hashed as their chunks are read."""
-    from foxhunt_stream import loader
-    from foxhunt_stream.device import CPU, Device
-    ck = fs.checkpoint.open_checkpoint(saved)
+    from foxhunt_stream.engine import loader
+    from foxhunt_stream.cuda.devices import CPU, Device
+    ck = open_checkpoint(saved)
     names = ck.file_order()
     sels = loader._selections(ck, names)
     s = fs.settings.merge(**SMALL)
@@ -541,7 +543,7 @@ def test_gpu_landed_verification_hashes_on_the_device(tmp_path, framework):
     # the default (verify_on="auto") hashes on the device too: a plain load hashes every tensor in
     # one launch once all copies are done; tensors() and background handles hash each tensor as
     # it lands (someone may be waiting for it)
-    from foxhunt_stream import device_digest
+    from foxhunt_stream.cuda import digest as device_digest
     batches = []
     real_spans = device_digest.spans_digests
 

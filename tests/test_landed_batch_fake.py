@@ -23,10 +23,14 @@ SCRIPT = textwrap.dedent("""
     import cupy
     assert cupy.__version__ == "fake"
     import foxhunt_stream as fs
-    from foxhunt_stream import device, device_digest, integrity, loader, settings
-    from foxhunt_stream.checkpoint import open_checkpoint
+    from foxhunt_stream import settings
+    from foxhunt_stream.cuda import devices as device
+    from foxhunt_stream.cuda import digest as device_digest
+    from foxhunt_stream.integrity import verifier as integrity
+    from foxhunt_stream.engine import loader
+    from foxhunt_stream.io.checkpoint import open_checkpoint
     from foxhunt_stream.errors import ChecksumError
-    from foxhunt_stream.frameworks import Buffer
+    from foxhunt_stream.engine.frameworks import Buffer
 
     log = []
     real_sync = cupy.cuda.Stream.synchronize

@@ -1,5 +1,5 @@
 """prefetch(helper_process=True): the checkpoint's pieces are warmed by a child process
-(foxhunt_stream.warmchild) with the same readers, steps and pacing; progress, per-tensor waits,
+(foxhunt_stream.startup.helper_process) with the same readers, steps and pacing; progress, per-tensor waits,
 cancel, the load's unthrottle and errors all come back to the parent's handle."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import foxhunt_stream as fs
-from foxhunt_stream import warmchild
+from foxhunt_stream.startup import helper_process as warmchild
 from foxhunt_stream.errors import FormatError
-from foxhunt_stream.source import resident_fraction
-from foxhunt_stream.warm import Piece
+from foxhunt_stream.io.source import resident_fraction
+from foxhunt_stream.startup.prefetch import Piece
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def test_cancel_stops_the_child(ckpt):
     h.cancel()
     assert h.done() and h.bytes_done < h.nbytes
     assert h._job._proc.poll() is not None               # gone, not left running
-    from foxhunt_stream.pipeline import Cancelled
+    from foxhunt_stream.engine.pipeline import Cancelled
     with pytest.raises(Cancelled):
         h.wait(timeout=5)
 
@@ -115,7 +115,7 @@ def test_a_child_that_dies_is_an_error_naming_its_status(tmp_path):
 
 
 def test_code_files_first_here_then_the_checkpoint_in_the_child(ckpt, tmp_path):
-    from foxhunt_stream import importtrace as itrace
+    from foxhunt_stream.startup import importtrace as itrace
     lib = tmp_path / "lib.so"
     lib.write_bytes(b"\x01" * 50_000)
     trace = tmp_path / "imports.txt"
@@ -155,8 +155,8 @@ def test_the_child_stats_the_files_of_the_records_it_is_given(ckpt, tmp_path, mo
 def test_an_idle_prefetch_reads_in_a_helper_by_default_and_a_normal_one_here(ckpt):
     """The startup case (priority="idle", the default) keeps its ~10^3 small reads a second off
     this process's GIL: 8 shallow readers of 1 MiB in the helper; priority="normal" stays here."""
-    from foxhunt_stream import warm
-    from foxhunt_stream.pipeline import Job
+    from foxhunt_stream.startup import prefetch as warm
+    from foxhunt_stream.engine.pipeline import Job
     idle = fs.prefetch(ckpt, skip_resident=False)
     idle.wait(timeout=60)
     assert isinstance(idle._job, warmchild.ChildJob) and idle._job._proc.returncode == 0
@@ -172,7 +172,7 @@ def test_an_idle_prefetch_reads_in_a_helper_by_default_and_a_normal_one_here(ckp
 def test_no_helper_process_here_means_reading_in_this_one(ckpt, monkeypatch):
     """Where no child can be started (an embedded interpreter, a sandbox), the default idle
     prefetch still warms every byte, with threads of this process."""
-    from foxhunt_stream.pipeline import Job
+    from foxhunt_stream.engine.pipeline import Job
     monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
     _evict(ckpt)
     h = fs.prefetch(ckpt, skip_resident=False)

@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 
-from foxhunt_stream import source
+from foxhunt_stream.io import source
 
 
 def test_resident_fraction_sampled_and_exhaustive(tmp_path):

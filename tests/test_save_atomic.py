@@ -20,7 +20,7 @@ import safetensors.numpy as stn
 from safetensors import safe_open as ref_safe_open
 
 import foxhunt_stream as fs
-from foxhunt_stream.sink import TEMP_MARK
+from foxhunt_stream.io.sink import TEMP_MARK
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -32,7 +32,7 @@ _SAVER = textwrap.dedent(f"""
     import sys, time
     import numpy as np
     import foxhunt_stream as fs
-    from foxhunt_stream import sink
+    from foxhunt_stream.io import sink
     path, value = sys.argv[1], int(sys.argv[2])
     block = np.full(({ROWS}, 1024), value, np.float32)      # one block under every name: quick to build
     tensors = {{f"w{{i:02d}}": block for i in range({N_TENSORS})}}

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from foxhunt_stream import Shard
-from foxhunt_stream.shard import shard_index, shard_shape, split_bounds
+from foxhunt_stream.format.tp import shard_index, shard_shape, split_bounds
 
 
 @settings(max_examples=200, deadline=None)

@@ -16,8 +16,8 @@ import safetensors.numpy as stn
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 import foxhunt_stream as fs
-from foxhunt_stream import source as fsource
-from foxhunt_stream.checkpoint import INDEX_NAME, read_header
+from foxhunt_stream.io import source as fsource
+from foxhunt_stream.io.checkpoint import INDEX_NAME, read_header
 
 SHARDS = {
     "model-00001-of-00003.safetensors": ["embed.weight", "layers.0.q_proj.weight", "layers.0.o_proj.weight"],
@@ -487,10 +487,10 @@ def test_last_dim_shard_reads_only_the_covered_row_span_in_chunks(tmp_path, read
 
 def test_plan_for_a_column_shard_is_2d_runs(ckpt):
     """The shard goes through plan.slice_runs: x[:, a:b] is one 2-D run per chunk."""
-    from foxhunt_stream.checkpoint import open_checkpoint
-    from foxhunt_stream.loader import _selections
-    from foxhunt_stream.plan import plan_load
-    from foxhunt_stream.shard import indices_for
+    from foxhunt_stream.io.checkpoint import open_checkpoint
+    from foxhunt_stream.engine.loader import _selections
+    from foxhunt_stream.format.plan import plan_load
+    from foxhunt_stream.format.tp import indices_for
     d, t = ckpt
     ck = open_checkpoint(d)
     names = ["layers.0.o_proj.weight"]

@@ -12,7 +12,7 @@ import pytest
 import safetensors.numpy as stn
 
 import foxhunt_stream as fs
-from foxhunt_stream import sink
+from foxhunt_stream.io import sink
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from foxhunt_stream.staging import StagingPool
+from foxhunt_stream.engine.staging import StagingPool
 
 
 def _counting():

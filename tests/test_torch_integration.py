@@ -22,9 +22,11 @@ torch = pytest.importorskip("torch")
 import safetensors.torch as sttorch  # noqa: E402
 
 import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream import codewarm, loader, pipeline, source  # noqa: E402
-from foxhunt_stream.warm import plan_pieces, warming  # noqa: E402  (fs.prefetch is the function)
-from foxhunt_stream.checkpoint import open_checkpoint  # noqa: E402
+from foxhunt_stream.startup import code_files as codewarm
+from foxhunt_stream.engine import loader, pipeline
+from foxhunt_stream.io import source  # noqa: E402
+from foxhunt_stream.startup.prefetch import plan_pieces, warming  # noqa: E402  (fs.prefetch is the function)
+from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
 from foxhunt_stream.settings import merge  # noqa: E402
 
 fst = fs.torch
@@ -679,7 +681,7 @@ def test_loader_reads_through_the_cache_while_a_prefetch_warms_it(tmp_path, monk
 
 
 def test_warmup_cpu_allocates_the_host_pool():
-    from foxhunt_stream import staging
+    from foxhunt_stream.engine import staging
     staging.pool_cache().clear()
     times = fs.warmup("cpu")
     assert set(times) == {"host_pool"} and times["host_pool"] >= 0
@@ -687,7 +689,7 @@ def test_warmup_cpu_allocates_the_host_pool():
 
 
 def test_background_warmup_returns_a_handle_and_uses_the_callers_settings(monkeypatch):
-    from foxhunt_stream import staging
+    from foxhunt_stream.engine import staging
     staging.pool_cache().clear()
     with fs.settings.override(chunk_bytes="64KiB", threads=2):   # contextvars do not follow threads
         h = fs.warmup("cpu", background=True)
@@ -744,7 +746,7 @@ def _io_priority_class(tid: int) -> int | None:
 def test_prefetch_readers_run_in_the_idle_io_class_by_default(tmp_path, monkeypatch):
     """priority="idle" (the default): each reader thread puts its I/O in the idle class, so the
     imports a prefetch overlaps are served first; "normal" leaves the class alone."""
-    import foxhunt_stream.warm as warm_mod
+    import foxhunt_stream.startup.prefetch as warm_mod
     path, _ = _checkpoint(tmp_path)
     seen = []
     real = warm_mod.PrefetchHandle._work
@@ -783,7 +785,7 @@ def _fake_package(tmp_path, monkeypatch):
 
 def test_module_files_lists_a_packages_libraries_and_bytecode_without_importing_it(tmp_path, monkeypatch):
     import sys as _sys
-    from foxhunt_stream.importtrace import module_files
+    from foxhunt_stream.startup.importtrace import module_files
     pkg, tag = _fake_package(tmp_path, monkeypatch)
     got = module_files(["fhfakepkg", "no_such_package_fh"])
     assert [os.path.relpath(p, pkg) for p, _ in got] == [os.path.join("lib", "libbig.so.12"), "_ext.so",
@@ -795,7 +797,7 @@ def test_module_files_lists_a_packages_libraries_and_bytecode_without_importing_
 
 
 def test_prefetch_reads_the_modules_files_before_the_checkpoint(tmp_path, monkeypatch):
-    import foxhunt_stream.warm as warm_mod
+    import foxhunt_stream.startup.prefetch as warm_mod
     pkg, _ = _fake_package(tmp_path, monkeypatch)
     path, _ = _checkpoint(tmp_path)
     order = []
@@ -830,7 +832,7 @@ def test_prefetch_of_modules_alone_is_done_only_once_its_readers_stop(tmp_path, 
     """A checkpoint with nothing left to read (here: no names) and modules still being read: the
     handle is not done() yet, wait() waits for the module readers, and cancel() stops and joins
     them (no reader keeps going behind a handle that says it is done)."""
-    import foxhunt_stream.warm as warm_mod
+    import foxhunt_stream.startup.prefetch as warm_mod
     _fake_package(tmp_path, monkeypatch)
     path, _ = _checkpoint(tmp_path)
     started, release = threading.Event(), threading.Event()
@@ -862,12 +864,12 @@ def test_prefetch_module_discovery_errors_are_best_effort(tmp_path, monkeypatch)
     """Finding the modules' files is best effort like reading them: an error there (a file gone
     between listing and the residency check, a broken import finder) leaves the checkpoint's
     prefetch running and raises nothing on the handle or in the thread."""
-    import foxhunt_stream.warm as warm_mod
+    import foxhunt_stream.startup.prefetch as warm_mod
     path, _ = _checkpoint(tmp_path)
 
     def broken(modules):
         raise RuntimeError("finder broke")
-    from foxhunt_stream import importtrace
+    from foxhunt_stream.startup import importtrace
     monkeypatch.setattr(importtrace, "module_files", broken)
     errors = []
     monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
@@ -886,7 +888,7 @@ def test_prefetch_modules_must_be_a_list_of_names(tmp_path):
 def test_tensors_releases_the_load_when_a_check_fails_after_the_reads(tmp_path, monkeypatch):
     """A GPU digest is checked when its tensor is waited for, possibly after every read is done:
     tensors() must still drain and release the whole load (no chunk still landing, nothing kept)."""
-    from foxhunt_stream import loader
+    from foxhunt_stream.engine import loader
     path, _ = _checkpoint(tmp_path)
     released = []
     real_release = loader.Destinations.release

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Long-running fuzz driver for the safetensors header parser (issue "Reliability").
 
-Every input is a whole file's bytes, given to ``foxhunt_stream.header.parse_header`` and checked:
+Every input is a whole file's bytes, given to ``foxhunt_stream.format.header.parse_header`` and checked:
 
 * it ends in a ``FormatError`` or in a ``Header`` that describes the input (tensors tile the data
   region up to the last byte) - any other exception is a finding;
@@ -296,10 +296,10 @@ def main() -> int:
         import atheris
         with atheris.instrument_imports(include=["foxhunt_stream"]):
             from foxhunt_stream.errors import FormatError
-            from foxhunt_stream.header import Header, parse_header
+            from foxhunt_stream.format.header import Header, parse_header
     else:
         from foxhunt_stream.errors import FormatError
-        from foxhunt_stream.header import Header, parse_header
+        from foxhunt_stream.format.header import Header, parse_header
     corpus = seeds()
     fuzzer = Fuzzer(args, parse_header, FormatError, Header)
     if args.as_limit_gb:

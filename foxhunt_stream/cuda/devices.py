@@ -10,9 +10,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from . import cudart
-from .errors import DeviceError
-from .staging import StagingPool
+from . import runtime as cudart
+from ..errors import DeviceError
+from ..engine.staging import StagingPool
 
 
 @dataclass(frozen=True, slots=True)

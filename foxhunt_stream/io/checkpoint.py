@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple
 
-from .errors import FormatError
-from .header import MAX_HEADER_SIZE, N_LEN, Header, TensorInfo, parse_header, read_header_len
+from ..errors import FormatError
+from ..format.header import MAX_HEADER_SIZE, N_LEN, Header, TensorInfo, parse_header, read_header_len
 from .source import file_identity
 
 INDEX_NAME = "model.safetensors.index.json"

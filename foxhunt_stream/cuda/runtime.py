@@ -41,7 +41,7 @@ def runtime():
                 raise ImportError("FOXHUNT_CUDART=cupy")
             from cupy_backends.cuda.api import runtime as rt
         except Exception:   # absent, or a layout whose runtime needs cupy's own start-up first
-            from .device import cupy   # raises DeviceError with the install hint if cupy is absent
+            from .devices import cupy  # raises DeviceError with the install hint if cupy is absent
             rt = cupy().cuda.runtime
         _rt = rt
     return _rt

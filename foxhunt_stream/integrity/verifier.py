@@ -27,14 +27,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from . import settings as _settings
-from .checkpoint import Checkpoint, open_checkpoint
-from .errors import ChecksumError, FormatError
-from .header import Header
-from .pipeline import Job
-from .plan import Selection, plan_load
-from .source import ALIGN
-from .staging import host_pool
+from .. import settings as _settings
+from ..io.checkpoint import Checkpoint, open_checkpoint
+from ..errors import ChecksumError, FormatError
+from ..format.header import Header
+from ..engine.pipeline import Job
+from ..format.plan import Selection, plan_load
+from ..io.source import ALIGN
+from ..engine.staging import host_pool
 
 METADATA_KEY = "foxhunt.checksums"
 FORMAT_VERSION = 1
@@ -370,7 +370,7 @@ class Verifier:
             if h.add(0, data):
                 self._check(dest)
             return
-        from .device_digest import KernelUnavailable, block_digests
+        from ..cuda.digest import KernelUnavailable, block_digests
         out = None   # an unaligned view (load_into a slice of a bigger tensor): hash a host copy
         if buf.ptr % 8 == 0:
             try:
@@ -385,7 +385,7 @@ class Verifier:
         kernel launch per device and block size (``stream_for(device)`` gives its stream) instead
         of one per tensor, whose Python overhead on the worker threads cost more than the hashing;
         ``settle`` checks them."""
-        from .device_digest import KernelUnavailable, spans_digests
+        from ..cuda.digest import KernelUnavailable, spans_digests
         groups: dict[tuple, list] = {}
         for d, buf in landed:
             h = self._hashers[d]
@@ -444,7 +444,7 @@ class Verifier:
             if h.add(0, _device_bytes(buf, 0, h.size)):
                 self._check(d)
             return
-        from .device_digest import MIN_LONG
+        from ..cuda.digest import MIN_LONG
         if isinstance(out, tuple):   # a slice of a batch's digests
             batch, lo, hi = out
             digests = batch.host()[lo:hi]
@@ -494,7 +494,7 @@ def _device_bytes(buf, offset: int, nbytes: int) -> np.ndarray:
     """``nbytes`` of a device buffer copied to the host (short tails, unaligned tensors)."""
     import cupy as cp
 
-    from .device_digest import device_view
+    from ..cuda.digest import device_view
     with cp.cuda.Device(buf.device.index):
         return device_view(buf.ptr + offset, nbytes, buf.device.index).get()
 
@@ -528,8 +528,8 @@ def verify(source, *, require_checksums: bool = False, **options) -> VerifyRepor
     verifier = Verifier.for_selections(ck, sels, sizes, require=require_checksums)
     s = verifier.settings(s)
     plan = plan_load(sels, s.chunk_bytes, granule=verifier.granule)
-    from .loader import open_sources   # the loader's: backend choice, same-file check
-    from .target import read_inspected
+    from ..engine.loader import open_sources  # the loader's: backend choice, same-file check
+    from ..engine.targets import read_inspected
     sources = open_sources(ck, s)
     try:
         pool = host_pool(s.chunk_bytes + 2 * ALIGN, max(s.threads, 1))

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .settings import WRITE_BACKENDS  # noqa: F401  (the settings table owns the names)
+from ..settings import WRITE_BACKENDS  # noqa: F401  (the settings table owns the names)
 
 TEMP_MARK = ".foxhunt-tmp."
 MAP_MIN_BYTES = 64 << 20   # "auto" maps files at least this large...

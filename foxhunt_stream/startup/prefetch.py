@@ -36,17 +36,17 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Sequence
 
-from . import settings as _settings
-from .codewarm import CODE_THREADS, RESIDENT_SAMPLE, SMALL_FILE, CodeWarm, Piece, sample_resident  # noqa: F401
+from .. import settings as _settings
+from .code_files import CODE_THREADS, RESIDENT_SAMPLE, SMALL_FILE, CodeWarm, Piece, sample_resident  # noqa: F401
 from .importtrace import _quiet, _quietly, code_files, module_files, warm_records, watch_opens  # noqa: F401
-from .pipeline import Cancelled, Job
-from .source import FileSource, open_source, resident_fraction
+from ..engine.pipeline import Cancelled, Job
+from ..io.source import FileSource, open_source, resident_fraction
 
 if TYPE_CHECKING:   # numpy and the header parser load in prefetch(), once the code readers run
     import numpy as np
 
-    from .checkpoint import Checkpoint, Names
-    from .warmchild import ChildJob
+    from ..io.checkpoint import Checkpoint, Names
+    from .helper_process import ChildJob
 
 log = logging.getLogger("foxhunt_stream")
 
@@ -212,7 +212,7 @@ class PrefetchHandle:
         self._threads = threads
         self._job_lock = threading.Lock()   # held while a failed helper is swapped for threads (_start_job)
         if helper_process:   # the checkpoint's reads in a child process: none of them takes our GIL
-            from .warmchild import ChildJob   # (subprocess and tempfile: imported only when asked for)
+            from .helper_process import ChildJob  # (subprocess and tempfile: imported only when asked for)
             self._job: Job | ChildJob = ChildJob(
                 ck.paths, [h.file_size for h in ck.headers], pieces, self._on_done, threads, priority,
                 self._step(), WARM_BYTES, max_rate, shallow=self._shallow, copy=self._copy)
@@ -530,7 +530,7 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
         code = CodeWarm(modules, imports, s.chunk_bytes, skip_resident, advise_only=method == "advise")
     sources: dict[int, FileSource] = {}
     try:
-        from .checkpoint import open_checkpoint, select
+        from ..io.checkpoint import open_checkpoint, select
         ck = open_checkpoint(source)
         chosen = select(ck, names)
         spans = _spans(ck, chosen, names is None)
@@ -599,7 +599,7 @@ def warmup(device="cuda:0", *, background: bool = False, verify: bool = False,
     it is done waits for the pinned pool instead of allocating a second one. ``verify=True`` also
     builds the GPU checksum kernel that ``load_file(..., verify=True)`` uses (an NVRTC compile).
     """
-    from .device import parse_device
+    from ..cuda.devices import parse_device
 
     s = _settings.merge(**options)   # in the caller: its settings overrides apply
     dev = parse_device(device)
@@ -609,9 +609,9 @@ def warmup(device="cuda:0", *, background: bool = False, verify: bool = False,
 
 
 def _warm(dev, s: _settings.Settings, verify: bool = False) -> dict[str, float]:
-    from . import cudart
-    from .device import check_device, context
-    from .target import CudaTarget, HostTarget
+    from ..cuda import runtime as cudart
+    from ..cuda.devices import check_device, context
+    from ..engine.targets import CudaTarget, HostTarget
 
     t = time.perf_counter()
     out: dict[str, float] = {}
@@ -639,7 +639,7 @@ def _warm(dev, s: _settings.Settings, verify: bool = False) -> dict[str, float]:
         ctx.stream(w)
     lap("streams")
     if verify:
-        from .device_digest import KernelUnavailable, _kernel
+        from ..cuda.digest import KernelUnavailable, _kernel
         try:
             _kernel(dev.index)
         except KernelUnavailable:   # loads will hash host copies; they warn about it themselves

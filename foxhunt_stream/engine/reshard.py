@@ -13,8 +13,8 @@ import contextlib
 import os
 from typing import Any, Callable, Mapping, Sequence
 
-from . import settings as _settings
-from .checkpoint import INDEX_NAME, open_checkpoint
+from .. import settings as _settings
+from ..io.checkpoint import INDEX_NAME, open_checkpoint
 from .loader import safe_open
 from .saver import RawTensor, index_file, save_file, shard_names, split_shards
 

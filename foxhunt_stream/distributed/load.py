@@ -37,11 +37,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .checkpoint import Checkpoint, Names, open_checkpoint, select
-from .device import check_device, parse_device
-from .dtypes import DTYPES, host_shape
-from .frameworks import get_framework
-from .shard import Shard, shard_index
+from ..io.checkpoint import Checkpoint, Names, open_checkpoint, select
+from ..cuda.devices import check_device, parse_device
+from ..format.dtypes import DTYPES, host_shape
+from ..engine.frameworks import get_framework
+from ..format.tp import Shard, shard_index
 
 DEFAULT_EXCHANGE_BYTES = 64 << 20
 
@@ -214,7 +214,7 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
     if window < 1:
         raise ValueError(f"exchange_bytes must be positive, got {exchange_bytes}")
     import torch
-    from . import loader
+    from ..engine import loader
     group = _Group(process_group)
     t0 = time.perf_counter()
 

@@ -16,20 +16,20 @@ import warnings
 from dataclasses import replace
 from typing import Any, Iterator, Mapping, MutableMapping, Sequence
 
-from . import cudart
-from . import settings as _settings
-from .checkpoint import Checkpoint, Names, open_checkpoint, select
-from .device import CPU, Device, check_device, context, parse_device
-from .dtypes import host_shape
-from .errors import FormatError, StoreMismatchError
+from ..cuda import runtime as cudart
+from .. import settings as _settings
+from ..io.checkpoint import Checkpoint, Names, open_checkpoint, select
+from ..cuda.devices import CPU, Device, check_device, context, parse_device
+from ..format.dtypes import host_shape
+from ..errors import FormatError, StoreMismatchError
 from .frameworks import Buffer, expected_host_dtype, framework_of, get_framework
 from .pipeline import Job
 from .placement import interleave_by_device, parse_device_map, resolve_device_map
-from .plan import LoadPlan, Selection, plan_load
+from ..format.plan import LoadPlan, Selection, plan_load
 from .progress import NO_PROGRESS, Progress, progress_bar
-from .shard import Shard, indices_for, shard_shape
-from .source import FileSource, open_source, resident_fraction
-from .target import CudaTarget, HostTarget
+from ..format.tp import Shard, indices_for, shard_shape
+from ..io.source import FileSource, open_source, resident_fraction
+from .targets import CudaTarget, HostTarget
 
 log = logging.getLogger("foxhunt_stream")
 
@@ -44,9 +44,9 @@ class LoadIntoWarning(UserWarning):
 
 
 def _prefetches():
-    """``foxhunt_stream.warm`` if this process has imported it (``fs.prefetch`` does), else None:
+    """``foxhunt_stream.startup.prefetch`` if this process has imported it (``fs.prefetch`` does), else None:
     without it no prefetch can be running, and a load need not import it (~40 ms of imports)."""
-    return sys.modules.get("foxhunt_stream.warm")
+    return sys.modules.get("foxhunt_stream.startup.prefetch")
 
 
 def warming(path: str) -> bool:
@@ -293,7 +293,7 @@ class Landing:
         if not buf.device.is_cuda:
             self.verifier.landed(d, buf)
             return
-        from .device import cupy
+        from ..cuda.devices import cupy
         cp = cupy()
         with cp.cuda.Device(buf.device.index):
             # a kernel hashes one tensor's blocks in parallel but each block sequentially
@@ -307,7 +307,7 @@ class Landing:
             self.verifier.landed(d, buf, stream)
 
     def _verify_stream(self, dev: Device, d: int):
-        from .device import cupy
+        from ..cuda.devices import cupy
         cp = cupy()
         with self._lock:
             streams = self._verify_streams.get(dev)
@@ -401,7 +401,7 @@ def _plan(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, verify: 
     if on == "auto":   # a GPU has memory bandwidth to spare; the host's goes to the reads
         per = [devices] * len(sels) if isinstance(devices, Device) else list(devices)
         on = ["landed" if dev.is_cuda else "read" for dev in per]
-    from .integrity import Verifier   # imported only by loads that verify
+    from ..integrity.verifier import Verifier  # imported only by loads that verify
     verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels], on=on)
     s = verifier.settings(s)
     return plan_load(sels, s.chunk_bytes, granule=verifier.granule), s, verifier
@@ -502,7 +502,7 @@ def load_file(source, device="cpu", framework: str | None = None, names: Names =
             raise ValueError(f"load_file: pass either device ({device!r}) or device_map, not both")
         parse_device_map(device_map)   # a bad key or device fails before any file is opened
     if process_group is not None:
-        from .distributed import load_file_distributed
+        from ..distributed.load import load_file_distributed
         return load_file_distributed(source, device, framework, names, process_group=process_group,
                                      background=background, shard=shard, verify=verify, progress=progress,
                                      **options)

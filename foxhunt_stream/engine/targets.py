@@ -16,11 +16,11 @@ from typing import Callable
 
 import numpy as np
 
-from . import cudart
-from .device import context, use_device
+from ..cuda import runtime as cudart
+from ..cuda.devices import context, use_device
 from .frameworks import Buffer
-from .plan import Run
-from .source import ALIGN, FileSource
+from ..format.plan import Run
+from ..io.source import ALIGN, FileSource
 from .staging import StagingPool, host_pool
 
 

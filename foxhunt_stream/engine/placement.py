@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from .device import Device, DeviceError, parse_device
-from .plan import LoadPlan
+from ..cuda.devices import Device, DeviceError, parse_device
+from ..format.plan import LoadPlan
 
 DeviceMap = Mapping[str, Any]
 

@@ -27,17 +27,17 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import __version__
-from . import settings as _settings
-from .checkpoint import Checkpoint, open_checkpoint
-from .device import Device, check_device, cupy, parse_device
-from .dtypes import DTYPES
-from .pipeline import Job
-from .reshard import save_sharded
-from .saver import split_shards
-from .sink import AtomicFile
-from .cli import fmt_bytes
-from .source import FileSource, resident_fraction
+from .. import __version__
+from .. import settings as _settings
+from ..io.checkpoint import Checkpoint, open_checkpoint
+from ..cuda.devices import Device, check_device, cupy, parse_device
+from ..format.dtypes import DTYPES
+from ..engine.pipeline import Job
+from ..engine.reshard import save_sharded
+from ..engine.saver import split_shards
+from ..io.sink import AtomicFile
+from .main import fmt_bytes
+from ..io.source import FileSource, resident_fraction
 
 DEFAULT_SIZE = {"cpu": 1 << 30, "cuda": 8 << 30}   # GPU figures want >= 8 GiB (DESIGN.md)
 

@@ -17,17 +17,17 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from . import settings as _settings
-from .device import Device
-from .dtypes import DType, from_numpy, from_torch
-from .dtypes import nbytes as _dtype_nbytes
-from .header import layout, serialize_header
-from .integrity import SaveDigests, strip
+from .. import settings as _settings
+from ..cuda.devices import Device
+from ..format.dtypes import DType, from_numpy, from_torch
+from ..format.dtypes import nbytes as _dtype_nbytes
+from ..format.header import layout, serialize_header
+from ..integrity.verifier import SaveDigests, strip
 from .pipeline import Job
-from .plan import plan_save
+from ..format.plan import plan_save
 from .progress import NO_PROGRESS, Progress, progress_bar
-from .sink import AtomicFile, write_small
-from .target import CudaTarget
+from ..io.sink import AtomicFile, write_small
+from .targets import CudaTarget
 
 log = logging.getLogger("foxhunt_stream")
 

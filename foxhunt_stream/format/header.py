@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from .dtypes import DTYPES, DType
-from .errors import FormatError
+from ..errors import FormatError
 
 N_LEN = 8
 MAX_HEADER_SIZE = 100_000_000

@@ -18,8 +18,8 @@ import time
 from typing import Callable, NamedTuple, Sequence
 
 from .importtrace import _quiet, _quietly, code_files, dist_records, warm_metadata
-from .pipeline import Cancelled, Job
-from .source import resident_fraction, sendfile_to_null
+from ..engine.pipeline import Cancelled, Job
+from ..io.source import resident_fraction, sendfile_to_null
 
 log = logging.getLogger("foxhunt_stream")
 

@@ -18,10 +18,10 @@ import os
 import sys
 from typing import Any, Sequence
 
-from . import __version__
-from . import settings as _settings
-from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
-from .errors import FormatError
+from .. import __version__
+from .. import settings as _settings
+from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from ..errors import FormatError
 
 PROG = "foxhunt-stream"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -171,7 +171,7 @@ def cmd_verify(args) -> int:
         print(f"OK {args.source}: {len(ck.paths)} file(s), {len(ck.names):,} tensors, {fmt_bytes(total)}; "
               f"checked: {checks} (no data read)")
         return EXIT_OK
-    from .integrity import verify
+    from ..integrity.verifier import verify
     r = verify(args.source, require_checksums=args.require_checksums)   # raises the first problem
     if r.checked:
         digests = f"{r.checked:,} of {r.tensors:,} tensors match their {'/'.join(r.algorithms)} digests"
@@ -206,7 +206,7 @@ def cmd_bench(args) -> int:
 # ---------------------------------------------------------------- reshard
 
 def cmd_reshard(args) -> int:
-    from .reshard import reshard
+    from ..engine.reshard import reshard
     written = reshard(args.source, args.out, args.max_shard_size, fsync=not args.no_fsync, checksum=args.checksum,
                       progress=False if args.quiet else None)
     shards = [p for p in written if p.endswith(".safetensors")]

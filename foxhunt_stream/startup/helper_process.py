@@ -21,8 +21,8 @@ import sys
 import threading
 from typing import Any, Callable, Sequence
 
-from .errors import FormatError
-from .pipeline import Cancelled
+from ..errors import FormatError
+from ..engine.pipeline import Cancelled
 
 REPORT_BYTES = 256 << 20
 
@@ -57,7 +57,7 @@ class ChildJob:
                       "shallow": shallow, "copy": copy,
                       "pieces": [[p.file, p.offset, p.length] for p in pieces]}
         self._on_done = on_done
-        self._command = list(command) if command else [sys.executable, "-m", "foxhunt_stream.warmchild"]
+        self._command = list(command) if command else [sys.executable, "-m", "foxhunt_stream.startup.helper_process"]
         self._proc = None   # subprocess.Popen, from start()
         self._monitor: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -163,9 +163,9 @@ def child_main(stdin=None, stdout=None) -> int:
     were read, 1 after an error (reported first)."""
     import numpy as np
 
-    from .source import FileSource
+    from ..io.source import FileSource
     from .importtrace import warm_records
-    from .warm import READ_BYTES, Pacer, _advise_all, set_idle_io_priority
+    from .prefetch import READ_BYTES, Pacer, _advise_all, set_idle_io_priority
 
     stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from .device import Device, cupy
-from .dtypes import DType, from_numpy, from_torch, host_shape
-from .errors import DeviceOutOfMemoryError
+from ..cuda.devices import Device, cupy
+from ..format.dtypes import DType, from_numpy, from_torch, host_shape
+from ..errors import DeviceOutOfMemoryError
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,12 +22,12 @@ import stat
 import threading
 from typing import TYPE_CHECKING, Callable
 
-from .errors import FormatError
+from ..errors import FormatError
 
 if TYPE_CHECKING:   # numpy is imported where it is used: a prefetch starts its code readers first
     import numpy as np
 
-    from .plan import Run
+    from ..format.plan import Run
 
 ALIGN = 4096
 BACKENDS = ("pread", "mmap", "direct")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence, Union
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
+    from ..io.checkpoint import Checkpoint
 
 # int: that dim for every tensor; None: replicate every tensor; a mapping of glob -> dim|None
 # (first matching pattern wins, in the mapping's order); a callable name -> dim|None.

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .source import ALIGN
+from ..io.source import ALIGN
 
 
 @dataclass(eq=False, slots=True)

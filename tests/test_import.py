@@ -9,7 +9,7 @@ import sys
 
 import foxhunt_stream as fs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(code: str) -> str:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "startup_bench.py")
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "startup_bench.py")
 _spec = importlib.util.spec_from_file_location("startup_bench", _PATH)
 sb = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sb)

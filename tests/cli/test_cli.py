@@ -24,7 +24,7 @@ from foxhunt_stream.format.dtypes import DTYPES
 from foxhunt_stream.engine.progress import progress_bar
 from foxhunt_stream.engine.saver import RawTensor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args: str, cwd=None) -> subprocess.CompletedProcess:

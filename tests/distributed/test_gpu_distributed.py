@@ -23,7 +23,6 @@ if not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and fs_devi
 if not (dist.is_available() and dist.is_nccl_available()):
     pytest.skip("torch.distributed with NCCL is not available", allow_module_level=True)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_harness import check_reports, collect, start_world  # noqa: E402
 
 pytestmark = pytest.mark.gpu

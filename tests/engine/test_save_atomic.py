@@ -22,7 +22,7 @@ from safetensors import safe_open as ref_safe_open
 import foxhunt_stream as fs
 from foxhunt_stream.io.sink import TEMP_MARK
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 N_TENSORS = 16

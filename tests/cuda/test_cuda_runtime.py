@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAKE_CUPY = os.path.join(REPO, "tests", "fakecuda")
 
 RUNTIME = textwrap.dedent("""

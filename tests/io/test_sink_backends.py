@@ -14,7 +14,7 @@ import safetensors.numpy as stn
 import foxhunt_stream as fs
 from foxhunt_stream.io import sink
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tensors():

@@ -197,7 +197,7 @@ def test_process_group_and_device_map_are_refused(ckpt, no_reads):
 def test_benchmark_smoke_run_on_cpu(tmp_path, capsys):
     import importlib.util
     import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
                         "device_map_bench.py")
     spec = importlib.util.spec_from_file_location("device_map_bench", path)
     bench = importlib.util.module_from_spec(spec)

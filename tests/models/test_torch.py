@@ -719,7 +719,7 @@ def test_import_is_light_and_prefetch_needs_no_torch(tmp_path):
         "assert 'torch' in sys.modules\n"
     )
     r = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = []
     for line in r.stderr.splitlines():

@@ -26,7 +26,7 @@ import foxhunt_stream as fs
 from foxhunt_stream.io import sink, source
 from foxhunt_stream.io.sink import TEMP_MARK
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tensors() -> dict[str, np.ndarray]:

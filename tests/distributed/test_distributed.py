@@ -91,7 +91,6 @@ import torch.distributed as dist  # noqa: E402
 
 import foxhunt_stream as fs  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_harness import check_reports, collect, make_checkpoint, start_world  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

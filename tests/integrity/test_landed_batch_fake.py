@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAKE = os.path.join(REPO, "tests", "fakecuda")
 
 SCRIPT = textwrap.dedent("""

@@ -1,0 +1,26 @@
+"""Shared by every test.
+
+The helpers beside this file (``format_support``, ``gpu_util``, ``dist_harness``) are importable
+from the test folders below it, which mirror the package (``format/``, ``io/``, ``cuda/``,
+``engine/``, ``integrity/``, ``distributed/``, ``models/``, ``startup/``, ``cli/``), and
+``REPO`` is the checkout's root. Tests of optional parts skip cleanly through the fixtures here
+(and ``gpu_util.require_gpu``) when their package or device is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+
+@pytest.fixture
+def torch():
+    """torch, or a skip where it is not installed."""
+    return pytest.importorskip("torch")

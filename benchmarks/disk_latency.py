@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from foxhunt_stream.io.source import sendfile_to_null  # noqa: E402
+from foxhunt_stream.io.pagecache import sendfile_to_null  # noqa: E402
 from foxhunt_stream.startup.prefetch import set_idle_io_priority  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from foxhunt_stream.io.source import sendfile_to_null  # noqa: E402
+from foxhunt_stream.io.pagecache import sendfile_to_null  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import drop_caches, run_jobs  # noqa: E402

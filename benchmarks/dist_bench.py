@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream.io import source as fsource  # noqa: E402
+from foxhunt_stream.io import pagecache, source as fsource  # noqa: E402
 from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
 from foxhunt_stream.settings import parse_size  # noqa: E402
 
@@ -82,7 +82,7 @@ def main() -> None:
     dist.barrier()
     ck = open_checkpoint(a.ckpt)
     total = sum(info.nbytes for _, info in ck.names.values())
-    resident = [round(fsource.resident_fraction(p), 3) for p in ck.paths]
+    resident = [round(pagecache.resident_fraction(p), 3) for p in ck.paths]
     shard = fs.Shard(rank, world, a.shard_dim) if a.shard_dim is not None else None
     window = parse_size(a.exchange_bytes)
 

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from foxhunt_stream.io.source import sendfile_to_null  # noqa: E402
+from foxhunt_stream.io.pagecache import sendfile_to_null  # noqa: E402
 
 IMPORT = ("import time; t=time.perf_counter(); import torch; a=time.perf_counter(); import transformers; "
           "from transformers import LlamaForCausalLM; b=time.perf_counter(); print(f'{a-t:.3f} {b-a:.3f}')")

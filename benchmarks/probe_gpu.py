@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import foxhunt_stream as fs  # noqa: E402
 from foxhunt_stream.engine import loader, targets as ftarget
-from foxhunt_stream.io import source as fsource  # noqa: E402
+from foxhunt_stream.io import pagecache, source as fsource  # noqa: E402
 
 EVENTS: list[tuple] = []
 
@@ -191,7 +191,7 @@ def main():
     ck = open_checkpoint(src)
     t_open = pc() - t
     t = pc()
-    fracs = [fsource.resident_fraction(p) for p in ck.paths]
+    fracs = [pagecache.resident_fraction(p) for p in ck.paths]
     t_res = pc() - t
     print(json.dumps({"open_checkpoint_ms": 1e3 * t_open, "resident_fraction_all_ms": 1e3 * t_res,
                       "fractions": fracs}), flush=True)

@@ -33,7 +33,7 @@ from benchutil import h2d_rate, memcpy_rate  # noqa: E402
 from foxhunt_stream.io import source as fsource  # noqa: E402
 from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
 from foxhunt_stream.settings import parse_size  # noqa: E402
-from foxhunt_stream.io.source import resident_fraction  # noqa: E402
+from foxhunt_stream.io.pagecache import resident_fraction  # noqa: E402
 
 
 # ---------------------------------------------------------------- building checkpoints

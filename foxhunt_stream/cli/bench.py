@@ -37,7 +37,8 @@ from ..engine.reshard import save_sharded
 from ..engine.saver import split_shards
 from ..io.sink import AtomicFile
 from .main import fmt_bytes
-from ..io.source import FileSource, resident_fraction
+from ..io.pagecache import resident_fraction
+from ..io.source import FileSource
 
 DEFAULT_SIZE = {"cpu": 1 << 30, "cuda": 8 << 30}   # GPU figures want >= 8 GiB (DESIGN.md)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
 import threading
 import time
 import warnings
@@ -28,7 +27,8 @@ from .placement import interleave_by_device, parse_device_map, resolve_device_ma
 from ..format.plan import LoadPlan, Selection, plan_load
 from .progress import NO_PROGRESS, Progress, progress_bar
 from ..format.tp import Shard, indices_for, shard_shape
-from ..io.source import FileSource, open_source, resident_fraction
+from ..io import pagecache
+from ..io.source import FileSource, open_source
 from .targets import CudaTarget, HostTarget
 
 log = logging.getLogger("foxhunt_stream")
@@ -43,30 +43,11 @@ class LoadIntoWarning(UserWarning):
                          f"unexpected name(s) {unexpected[:10]} were skipped")
 
 
-def _prefetches():
-    """``foxhunt_stream.startup.prefetch`` if this process has imported it (``fs.prefetch`` does), else None:
-    without it no prefetch can be running, and a load need not import it (~40 ms of imports)."""
-    return sys.modules.get("foxhunt_stream.startup.prefetch")
-
-
-def warming(path: str) -> bool:
-    """Whether a prefetch of ``path`` is still running in this process."""
-    warm = _prefetches()
-    return warm is not None and warm.warming(path)
-
-
-def loading(path: str) -> None:
-    """A load of ``path`` starts: a prefetch holding back for the imports lets go (``warm.loading``)."""
-    warm = _prefetches()
-    if warm is not None:
-        warm.loading(path)
-
-
 def _backend_for(path: str, s: _settings.Settings) -> str:
     if s.direct_io == "on":
         return "direct"
     # a file that a prefetch is filling into the page cache is read through it, not around it
-    if s.direct_io == "auto" and not warming(path) and resident_fraction(path) < 0.5:
+    if s.direct_io == "auto" and not pagecache.warming(path) and pagecache.resident_fraction(path) < 0.5:
         return "direct"
     return s.backend
 
@@ -75,7 +56,7 @@ def open_sources(ck: Checkpoint, s: _settings.Settings) -> list[FileSource]:
     out = []
     try:
         for i, (p, h) in enumerate(zip(ck.paths, ck.headers)):
-            loading(p)   # a prefetch holding back for the imports: the load wants these bytes now
+            pagecache.loading(p)   # a prefetch holding back for the imports: the load wants these bytes now
             out.append(open_source(p, _backend_for(p, s), h.file_size))
             if ck.identities:   # the file opened must be the one whose header we hold
                 out[-1].identity = ck.identities[i]

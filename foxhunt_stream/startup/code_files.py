@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from .importtrace import _quiet, _quietly, code_files, dist_records, warm_metadata
 from ..engine.pipeline import Cancelled, Job
-from ..io.source import resident_fraction, sendfile_to_null
+from ..io.pagecache import resident_fraction, sendfile_to_null
 
 log = logging.getLogger("foxhunt_stream")
 

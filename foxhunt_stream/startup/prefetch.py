@@ -40,7 +40,9 @@ from .. import settings as _settings
 from .code_files import CODE_THREADS, RESIDENT_SAMPLE, SMALL_FILE, CodeWarm, Piece, sample_resident  # noqa: F401
 from .importtrace import _quiet, _quietly, code_files, module_files, warm_records, watch_opens  # noqa: F401
 from ..engine.pipeline import Cancelled, Job
-from ..io.source import FileSource, open_source, resident_fraction
+from ..io import pagecache
+from ..io.pagecache import resident_fraction
+from ..io.source import FileSource, open_source
 
 if TYPE_CHECKING:   # numpy and the header parser load in prefetch(), once the code readers run
     import numpy as np
@@ -118,29 +120,6 @@ def _spans(ck: Checkpoint, chosen: list[str], whole_files: bool) -> list[list[tu
         base = ck.headers[f].data_start
         spans[f].append((base + info.start, base + info.end))
     return spans
-
-
-_live: "weakref.WeakSet[PrefetchHandle]" = weakref.WeakSet()
-_live_lock = threading.Lock()
-
-
-def warming(path: str | os.PathLike) -> bool:
-    """Whether a prefetch of ``path`` is still running in this process."""
-    real = os.path.realpath(path)
-    with _live_lock:
-        handles = list(_live)
-    return any(not h.done() and real in h._real_paths for h in handles)
-
-
-def loading(path: str | os.PathLike) -> None:
-    """A load of ``path`` starts: the prefetches warming it drop their ``max_rate`` (the rate
-    left the disk to the imports; now the load waits for these bytes)."""
-    real = os.path.realpath(path)
-    with _live_lock:
-        handles = list(_live)
-    for h in handles:
-        if real in h._real_paths:
-            h.unthrottle()
 
 
 class Pacer:
@@ -221,13 +200,16 @@ class PrefetchHandle:
         if not pieces:
             self._closer()
             self.finished = self.started
-        with _live_lock:
-            _live.add(self)
+        pagecache.register_warmer(self)   # a load of these files reads through the cache, and unpaces us
         self._records_thread: threading.Thread | None = None    # warm_records (in process), not waited for
         if code is None:
             self._start_job()
         else:   # the checkpoint's readers start once the code files are read
             code.then(self._after_code)
+
+    def covers(self, real_path: str) -> bool:
+        """Whether this prefetch reads the file at ``real_path`` (``os.path.realpath``)."""
+        return real_path in self._real_paths
 
     def _threads_job(self) -> Job:
         """The checkpoint's readers as threads of this process."""

@@ -4,20 +4,20 @@ import os
 
 import numpy as np
 
-from foxhunt_stream.io import source
+from foxhunt_stream.io import pagecache
 
 
 def test_resident_fraction_sampled_and_exhaustive(tmp_path):
     p = tmp_path / "f.bin"
     p.write_bytes(np.random.default_rng(0).integers(0, 255, 8 << 20, dtype=np.uint8).tobytes())
     p.read_bytes()
-    assert source.resident_fraction(p) == 1.0
-    assert source.resident_fraction(p, samples=1 << 62) == 1.0     # "every page": one call, not 2**62
+    assert pagecache.resident_fraction(p) == 1.0
+    assert pagecache.resident_fraction(p, samples=1 << 62) == 1.0     # "every page": one call, not 2**62
     fd = os.open(p, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    assert source.resident_fraction(p) < 0.5
-    assert source.resident_fraction(p, samples=1 << 62) < 0.5
+    assert pagecache.resident_fraction(p) < 0.5
+    assert pagecache.resident_fraction(p, samples=1 << 62) < 0.5

@@ -24,8 +24,8 @@ import safetensors.torch as sttorch  # noqa: E402
 import foxhunt_stream as fs  # noqa: E402
 from foxhunt_stream.startup import code_files as codewarm
 from foxhunt_stream.engine import loader, pipeline
-from foxhunt_stream.io import source  # noqa: E402
-from foxhunt_stream.startup.prefetch import plan_pieces, warming  # noqa: E402  (fs.prefetch is the function)
+from foxhunt_stream.io import pagecache, source  # noqa: E402
+from foxhunt_stream.startup.prefetch import plan_pieces  # noqa: E402  (fs.prefetch is the function)
 from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
 from foxhunt_stream.settings import merge  # noqa: E402
 
@@ -613,10 +613,10 @@ def test_prefetch_wait_name_blocks_only_on_that_tensor(tmp_path):
     h.wait("t0")
     h.wait("t2")
     assert not h.done()
-    assert warming(path)
+    assert pagecache.warming(path)
     gate.set()
     h.wait()
-    assert log and all(log) and not warming(path)
+    assert log and all(log) and not pagecache.warming(path)
 
 
 def test_prefetch_error_propagates(tmp_path):
@@ -651,7 +651,7 @@ def test_prefetch_cancel(tmp_path, monkeypatch):
 
 def test_prefetch_skips_resident_files(tmp_path):
     path, _ = _checkpoint(tmp_path)
-    if source.resident_fraction(path, samples=1 << 62) < 1.0:
+    if pagecache.resident_fraction(path, samples=1 << 62) < 1.0:
         pytest.skip("the freshly written file is not fully in the page cache here")
     h = fs.prefetch(path)
     h.wait()
@@ -666,7 +666,7 @@ def test_prefetch_rejects_unknown_method(tmp_path):
 
 def test_loader_reads_through_the_cache_while_a_prefetch_warms_it(tmp_path, monkeypatch):
     path, t = _checkpoint(tmp_path)
-    monkeypatch.setattr(loader, "resident_fraction", lambda p: 0.0)   # "cold"
+    monkeypatch.setattr(pagecache, "resident_fraction", lambda p: 0.0)   # "cold"
     s = merge(direct_io="auto")
     assert loader._backend_for(path, s) == "direct"
     gate, log = threading.Event(), []

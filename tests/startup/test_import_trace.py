@@ -286,7 +286,7 @@ def test_code_files_are_hinted_at_normal_priority_while_the_checkpoint_idles(tmp
 # ---------------------------------------------------------------- warming without a copy
 
 def test_sendfile_to_null_warms_the_range_and_stops_at_end_of_file(tmp_path):
-    from foxhunt_stream.io.source import resident_fraction, sendfile_to_null
+    from foxhunt_stream.io.pagecache import resident_fraction, sendfile_to_null
     f = tmp_path / "blob"
     f.write_bytes(os.urandom(3 << 20))
     fd = os.open(f, os.O_RDONLY)
@@ -305,7 +305,7 @@ def test_file_source_warm_falls_back_to_reads_and_reports_truncation(tmp_path, m
     import errno as _errno
 
     from foxhunt_stream import errors
-    from foxhunt_stream.io import source
+    from foxhunt_stream.io import pagecache, source
     f = tmp_path / "blob"
     f.write_bytes(b"z" * 10_000)
     calls = []
@@ -314,7 +314,7 @@ def test_file_source_warm_falls_back_to_reads_and_reports_truncation(tmp_path, m
         calls.append(a)
         raise OSError(_errno.EINVAL, "not here")
     monkeypatch.setattr(os, "sendfile", no_sendfile)
-    monkeypatch.setattr(source, "_devnull", -2)
+    monkeypatch.setattr(pagecache, "_devnull", -2)
     preads = []
     real_preadv = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: (preads.append(off), real_preadv(fd, bufs, off))[1])
@@ -329,7 +329,7 @@ def test_prefetch_takes_the_gil_back_once_per_64_mib_not_per_mib(tmp_path, monke
     """A reader that needs the GIL after every 1 MiB read makes the importing main thread wait at
     each of its own system calls; at normal priority the checkpoint is warmed with one call per
     64 MiB piece."""
-    from foxhunt_stream.io import source
+    from foxhunt_stream.io import pagecache, source
     path = str(tmp_path / "big.safetensors")
     fs.save_file({"w": np.zeros(40 << 20, np.uint8), "v": np.zeros(100, np.uint8)}, path)
     calls = []
@@ -343,7 +343,7 @@ def test_prefetch_takes_the_gil_back_once_per_64_mib_not_per_mib(tmp_path, monke
 def test_idle_readers_take_small_steps_until_a_load_begins(tmp_path, monkeypatch):
     """priority="idle": 4 MiB per call, so the kernel's readahead does not keep the disk's queue
     full in front of the imports; once a load of the file starts, 64 MiB per call."""
-    from foxhunt_stream.io import source
+    from foxhunt_stream.io import pagecache, source
     path = str(tmp_path / "big.safetensors")
     fs.save_file({"w": np.zeros(40 << 20, np.uint8)}, path)
     calls = []
@@ -589,7 +589,7 @@ def test_sendfile_that_stops_part_way_is_finished_with_reads(tmp_path, monkeypat
     with pread, not reported as a failed prefetch (before: the OSError ended the whole prefetch)."""
     import errno as _errno
 
-    from foxhunt_stream.io import source
+    from foxhunt_stream.io import pagecache, source
     f = tmp_path / "blob"
     f.write_bytes(b"z" * 10_000)
     real_sendfile, calls = os.sendfile, []
@@ -611,10 +611,10 @@ def test_sendfile_that_stops_part_way_is_finished_with_reads(tmp_path, monkeypat
 def test_reader_threads_starting_together_open_dev_null_once(tmp_path, monkeypatch):
     import time
 
-    from foxhunt_stream.io import source
+    from foxhunt_stream.io import pagecache, source
     f = tmp_path / "blob"
     f.write_bytes(b"z" * 1000)
-    monkeypatch.setattr(source, "_devnull", -2)
+    monkeypatch.setattr(pagecache, "_devnull", -2)
     real_open, opened = os.open, []
 
     def slow_open(path, *a, **k):
@@ -626,7 +626,7 @@ def test_reader_threads_starting_together_open_dev_null_once(tmp_path, monkeypat
     monkeypatch.setattr(os, "open", slow_open)
     fd = real_open(f, os.O_RDONLY)
     start = threading.Barrier(8)
-    threads = [threading.Thread(target=lambda: (start.wait(), source.sendfile_to_null(fd, 0, 1000))) for _ in range(8)]
+    threads = [threading.Thread(target=lambda: (start.wait(), pagecache.sendfile_to_null(fd, 0, 1000))) for _ in range(8)]
     try:
         for t in threads:
             t.start()
@@ -667,20 +667,20 @@ def test_a_pacer_rate_must_be_a_number_not_a_flag():
 def test_sendfile_never_writes_into_a_descriptor_that_is_no_longer_dev_null(tmp_path, monkeypatch):
     """Something closed our /dev/null descriptor and the number now names a file: the next warm
     must notice (fstat) and open /dev/null again instead of sending checkpoint bytes there."""
-    from foxhunt_stream.io import source
+    from foxhunt_stream.io import pagecache, source
     src = tmp_path / "src.bin"
     src.write_bytes(b"s" * 100_000)
     victim = tmp_path / "victim.txt"
     fd = os.open(src, os.O_RDONLY)
     try:
-        assert source.sendfile_to_null(fd, 0, 100_000) == 100_000
-        null = source._devnull
+        assert pagecache.sendfile_to_null(fd, 0, 100_000) == 100_000
+        null = pagecache._devnull
         other = os.open(victim, os.O_WRONLY | os.O_CREAT, 0o600)
         os.dup2(other, null)   # the number now names victim.txt, as after a close and a reuse
         os.close(other)
         try:
-            assert source.sendfile_to_null(fd, 0, 100_000) == 100_000
-            assert victim.stat().st_size == 0 and source._devnull != null
+            assert pagecache.sendfile_to_null(fd, 0, 100_000) == 100_000
+            assert victim.stat().st_size == 0 and pagecache._devnull != null
         finally:
             os.close(null)
     finally:
@@ -746,7 +746,7 @@ def test_idle_pread_mode_queues_one_step_until_a_load_begins(tmp_path, monkeypat
     """warm.IDLE_READ = "pread": the idle readers' files are advised POSIX_FADV_RANDOM and read
     through a buffer (no readahead, so one step queued per reader); unthrottle() advises
     POSIX_FADV_NORMAL again. The bytes still land, in process or in the helper."""
-    from foxhunt_stream.io import source
+    from foxhunt_stream.io import pagecache, source
     path = str(tmp_path / "big.safetensors")
     data = np.arange(6 << 20, dtype=np.uint8)
     fs.save_file({"w": data}, path)

@@ -16,7 +16,7 @@ import pytest
 import foxhunt_stream as fs
 from foxhunt_stream.startup import helper_process as warmchild
 from foxhunt_stream.errors import FormatError
-from foxhunt_stream.io.source import resident_fraction
+from foxhunt_stream.io.pagecache import resident_fraction
 from foxhunt_stream.startup.prefetch import Piece
 
 
@@ -62,7 +62,7 @@ def test_a_load_of_the_file_lifts_the_childs_rate_cap(ckpt):
     h = fs.prefetch(ckpt, skip_resident=False, helper_process=True, max_rate=1e5, chunk_bytes=1 << 20)
     time.sleep(0.2)
     t = time.perf_counter()
-    out = fs.load_file(ckpt)                              # loader.open_sources calls warm.loading(path)
+    out = fs.load_file(ckpt)                              # loader.open_sources calls pagecache.loading(path)
     h.wait(timeout=30)
     assert time.perf_counter() - t < 10                  # ~6 MB at 100 kB/s would take a minute
     assert h.bytes_done == h.nbytes and len(out) == 6

@@ -1,0 +1,180 @@
+"""The page cache: what is resident, how to fill it without copying, and who is filling it.
+
+``resident_fraction`` samples a file's pages with ``mincore`` (the loader reads a file that is
+mostly cached through the cache, and a prefetch skips files already in memory);
+``sendfile_to_null`` pulls a byte range into the cache with no copy to user space (prefetch
+readers); ``advise`` passes ``posix_fadvise`` hints. The registry at the end is how a running
+prefetch and a starting load learn of each other without importing each other: a prefetch
+registers itself, the loader asks ``warming(path)`` (read through the cache, not around it) and
+says ``loading(path)`` (the prefetch drops its pacing: the load now waits for those bytes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import stat
+import threading
+import weakref
+from typing import Protocol
+
+_devnull = -2   # not opened yet; -1: sendfile to /dev/null does not work here
+_devnull_rdev = -1
+_devnull_lock = threading.Lock()
+
+
+def _null_fd() -> int:
+    """Our descriptor of /dev/null, opened once; checked on each use (a daemonising caller may
+    have closed it and the number may name another file now: bytes must never go there)."""
+    global _devnull, _devnull_rdev
+    fd = _devnull
+    if fd >= 0:
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == _devnull_rdev:
+                return fd
+        except OSError:
+            pass
+    with _devnull_lock:   # reader threads arrive together: one descriptor, not one each
+        if _devnull == fd:
+            if not hasattr(os, "sendfile"):
+                _devnull = -1
+            else:
+                try:
+                    new = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+                    st = os.fstat(new)
+                    _devnull, _devnull_rdev = (new, st.st_rdev) if stat.S_ISCHR(st.st_mode) else (-1, -1)
+                    if _devnull < 0:
+                        os.close(new)
+                except OSError:
+                    _devnull = -1
+        return _devnull
+
+
+def sendfile_to_null(fd: int, offset: int, length: int, step: int = 64 << 20) -> int | None:
+    """Pull ``[offset, offset+length)`` of ``fd`` into the page cache without copying it anywhere:
+    ``sendfile`` into ``/dev/null`` (the kernel reads the pages, nothing is written). One call per
+    ``step`` bytes, each releasing the GIL for all of it: a reader thread that comes back for the
+    GIL after every 1 MiB ``pread`` makes the main thread wait for it at each of its own system
+    calls (a convoy: ``stat``-heavy imports ran several times slower beside two such readers).
+    Returns the bytes warmed (fewer at end of file, or where ``sendfile`` stopped working part
+    way: the caller reads the rest, and a real read error shows there), or None where
+    ``sendfile`` cannot do this (not Linux, a filesystem without it): read through a buffer."""
+    null = _null_fd() if _devnull != -1 else -1
+    if null < 0:
+        return None
+    done = 0
+    while done < length:
+        try:
+            n = os.sendfile(null, fd, offset + done, min(step, length - done))
+        except OSError as e:
+            if done:
+                return done
+            if e.errno in (errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.EOPNOTSUPP):
+                return None
+            raise
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
+    """``posix_fadvise(fd, offset, length, os.<advice>)``; a hint only: where the platform or the
+    filesystem refuses it, nothing changes."""
+    try:
+        os.posix_fadvise(fd, offset, length, getattr(os, advice))
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
+# ---------------------------------------------------------------- residency
+
+_libc = None
+
+
+def resident_fraction(path: str | os.PathLike, samples: int = 64) -> float:
+    """Fraction of the file's pages in the page cache, from ``samples`` pages spread evenly
+    over it (one mincore call each: O(samples), not O(file size), so it costs well under a
+    millisecond even for a multi-GB shard). ``samples`` >= the page count checks every page."""
+    global _libc
+    size = os.path.getsize(path)
+    if size == 0:
+        return 1.0
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.mmap.restype = ctypes.c_void_p
+            _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_int, ctypes.c_long]
+            _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+        try:
+            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return 1.0
+            try:
+                page = mmap.PAGESIZE
+                pages = -(-size // page)
+                if samples >= pages:   # every page: one call over the whole mapping
+                    vec = (ctypes.c_ubyte * pages)()
+                    if _libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                        return 1.0
+                    import numpy as np
+                    return float((np.frombuffer(vec, np.uint8) & 1).mean())
+                picks = sorted({(i * pages) // samples for i in range(samples)})
+                vec = ctypes.c_ubyte()
+                hits = 0
+                for p in picks:
+                    if _libc.mincore(ctypes.c_void_p(addr + p * page), page, ctypes.byref(vec)) != 0:
+                        return 1.0
+                    hits += vec.value & 1
+                return hits / len(picks)
+            finally:
+                _libc.munmap(ctypes.c_void_p(addr), size)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        return 1.0
+
+
+# ---------------------------------------------------------------- prefetches in flight
+
+class Warmer(Protocol):
+    """What the registry needs of a running prefetch."""
+
+    def covers(self, real_path: str) -> bool: ...
+    def done(self) -> bool: ...
+    def unthrottle(self) -> None: ...
+
+
+_warmers: "weakref.WeakSet[Warmer]" = weakref.WeakSet()
+_warmers_lock = threading.Lock()
+
+
+def register_warmer(warmer: Warmer) -> None:
+    """A prefetch announces itself (held weakly: a forgotten handle drops out by itself)."""
+    with _warmers_lock:
+        _warmers.add(warmer)
+
+
+def _warmers_of(path: str | os.PathLike) -> list[Warmer]:
+    real = os.path.realpath(path)
+    with _warmers_lock:
+        live = list(_warmers)
+    return [w for w in live if w.covers(real)]
+
+
+def warming(path: str | os.PathLike) -> bool:
+    """Whether a prefetch of ``path`` is still running in this process."""
+    return any(not w.done() for w in _warmers_of(path))
+
+
+def loading(path: str | os.PathLike) -> None:
+    """A load of ``path`` starts: the prefetches warming it drop their pacing (it left the disk
+    to the imports; now the load waits for these bytes)."""
+    for w in _warmers_of(path):
+        w.unthrottle()

@@ -26,7 +26,9 @@ from typing import Mapping
 
 import torch
 
-from .engine import loader as _loader
+from . import api
+from .engine.handle import LoadHandle
+from .engine.loader import load_into, reopen_if_replaced
 from .io.checkpoint import open_checkpoint
 from .cuda.devices import parse_device
 from .format.dtypes import host_shape
@@ -72,7 +74,7 @@ def load_file(filename: str | os.PathLike, device: str | int = "cpu", **options)
     Also takes a list of files, an index.json or a directory, and the loader's options
     (``names``, ``background``, ``threads``, ``backend``, ``device_map`` for several GPUs...).
     """
-    return _loader.load_file(filename, device=device, framework="pt", **options)
+    return api.load_file(filename, device=device, framework="pt", **options)
 
 
 def save_file(tensors: Mapping[str, torch.Tensor], filename: str | os.PathLike,
@@ -235,8 +237,8 @@ def _match_names(model: torch.nn.Module, state: Mapping[str, torch.Tensor], file
     return store, missing, unexpected
 
 
-@_loader._reopen_if_replaced   # a file replaced under us: start over from the new headers
-def load_model(model: torch.nn.Module, filename: str | os.PathLike | _loader.LoadHandle, strict: bool = True,
+@reopen_if_replaced   # a file replaced under us: start over from the new headers
+def load_model(model: torch.nn.Module, filename: str | os.PathLike | LoadHandle, strict: bool = True,
                device: str | int | torch.device | None = "cpu", *, materialize: bool = False,
                wait: bool = True, **options) -> tuple[set[str], list[str]] | StreamedLoad:
     """``safetensors.torch.load_model``: fill ``model``'s parameters and buffers from a checkpoint.
@@ -261,7 +263,7 @@ def load_model(model: torch.nn.Module, filename: str | os.PathLike | _loader.Loa
     With ``wait=False`` it returns a ``StreamedLoad`` at once instead: each module takes its
     tensors when it first runs, so the first forward overlaps the rest of the load.
     """
-    if isinstance(filename, _loader.LoadHandle):
+    if isinstance(filename, LoadHandle):
         if options or materialize:
             raise TypeError("load_model(model, handle): the load is already running; pass its options "
                             f"to load_file(..., background=True), not here ({sorted(options) or 'materialize'})")
@@ -309,7 +311,7 @@ def load_model(model: torch.nn.Module, filename: str | os.PathLike | _loader.Loa
 
     _wait_torch_streams(in_place.values())
     try:
-        _loader.load_into(in_place, ck, strict=True, names=list(in_place), **options)
+        load_into(in_place, ck, strict=True, names=list(in_place), **options)
     except StoreMismatchError as e:
         raise LoadModelError(model_name, e.problems, missing=sorted(missing), unexpected=unexpected) from e
     if indirect:
@@ -455,5 +457,5 @@ def _load_indirect(model: torch.nn.Module, ck, targets: dict[str, torch.Tensor],
         by_device[str(t.device) if t.device.type in ("cpu", "cuda") else "cpu"].append(n)
     log.debug("load_model: %d tensor(s) through a temporary (dtype, layout or device)", len(targets))
     for dev, names in by_device.items():
-        tmp = _loader.load_file(ck, device=dev, framework="pt", names=names, **options)
+        tmp = api.load_file(ck, device=dev, framework="pt", names=names, **options)
         model.load_state_dict(tmp, strict=False)

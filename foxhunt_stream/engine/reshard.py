@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import settings as _settings
 from ..io.checkpoint import INDEX_NAME, open_checkpoint
-from .loader import safe_open
+from .safe_open import safe_open
 from .saver import RawTensor, index_file, save_file, shard_names, split_shards
 
 

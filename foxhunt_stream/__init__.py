@@ -24,12 +24,12 @@ _LAZY = {
     "load_file": "api", "load_into": "engine.loader", "safe_open": "engine.safe_open",
     "PrefetchHandle": "startup.prefetch", "prefetch": "startup.prefetch", "warmup": "startup.prefetch",
     "WarmupHandle": "startup.prefetch", "record_imports": "startup.importtrace", "save_file": "engine.saver",
-    "Shard": "format.tp", "clean_stale_temps": "io.sink",
+    "Shard": "format.tp", "TPSlice": "format.tp", "clean_stale_temps": "io.sink",
 }
 
 __all__ = [
     "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
-    "safe_open", "load_file", "load_into", "save_file", "Shard", "LoadHandle", "read_header", "clean_stale_temps",
+    "safe_open", "load_file", "load_into", "save_file", "TPSlice", "Shard", "LoadHandle", "read_header", "clean_stale_temps",
     "settings", "__version__", "prefetch", "PrefetchHandle", "warmup", "ChecksumError", "verify", "VerifyReport",
     "DistributedLoadError", "WarmupHandle", "record_imports",
 ]
@@ -46,7 +46,7 @@ if TYPE_CHECKING:   # what static tools see; at run time these load lazily
     from .startup.importtrace import record_imports
     from .startup.prefetch import PrefetchHandle, WarmupHandle, prefetch, warmup
     from .engine.saver import save_file
-    from .format.tp import Shard
+    from .format.tp import Shard, TPSlice
     from .io.sink import clean_stale_temps
 
 

@@ -11,19 +11,19 @@ from typing import Any, Mapping
 
 from .engine.handle import LoadHandle
 from .engine.loader import load_file as load_here
-from .format.tp import Shard
+from .format.tp import TPSlice
 from .io.checkpoint import Names
 
 
 def load_file(source, device: Any = "cpu", framework: str | None = None, names: Names = None, *,
-              background: bool = False, shard: Shard | None = None, verify: bool = False,
+              background: bool = False, shard: TPSlice | None = None, verify: bool = False,
               progress: bool | None = None, process_group=None, device_map: Mapping[str, Any] | None = None,
               **options) -> dict[str, Any] | LoadHandle:
     """Load the selected tensors of a checkpoint; returns ``{name: array}``.
 
     ``source`` is a file, a list of files, an index.json or a directory. Unselected bytes are
     never read. With ``background=True`` returns a ``LoadHandle`` at once. With
-    ``shard=Shard(rank, world_size, dim)`` each array is this rank's slice of the tensor. With
+    ``shard=TPSlice(rank, world_size, dim)`` each array is this rank's slice of the tensor. With
     ``verify=True`` every tensor is checked against the digests saved with it
     (``save_file(checksum=...)``) as its chunks land; a mismatch raises ChecksumError and nothing
     is returned. ``progress``: a bar on stderr (None: only on a terminal and past about a second;

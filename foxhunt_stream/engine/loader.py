@@ -18,7 +18,7 @@ from ..cuda.devices import CPU, Device, check_device
 from ..errors import FormatError, StoreMismatchError
 from ..format.dtypes import host_shape
 from ..format.plan import LoadPlan, Selection, plan_load
-from ..format.tp import Shard, indices_for, shard_shape
+from ..format.tp import TPSlice, indices_for, shard_shape
 from ..io import pagecache
 from ..io.checkpoint import Checkpoint, Names, open_checkpoint, select
 from ..io.source import FileSource, open_source
@@ -116,7 +116,7 @@ def selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | No
 
 @reopen_if_replaced
 def load_file(source, device: Any = "cpu", framework: str | None = None, names: Names = None, *,
-              background: bool = False, shard: Shard | None = None, verify: bool = False,
+              background: bool = False, shard: TPSlice | None = None, verify: bool = False,
               progress: bool | None = None, device_map: Mapping[str, Any] | None = None,
               **options) -> dict[str, Any] | LoadHandle:
     """Load the selected tensors of a checkpoint in this process; ``{name: array}``, or with
@@ -143,12 +143,12 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
 
 
 @reopen_if_replaced
-def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, shard: Shard | None = None,
+def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, shard: TPSlice | None = None,
               verify: bool = False, names: Names = None, progress: bool | None = None,
               **options) -> dict[str, str]:
     """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata.
 
-    With ``shard=Shard(rank, world_size, dim)`` the store holds this rank's slices (their
+    With ``shard=TPSlice(rank, world_size, dim)`` the store holds this rank's slices (their
     shapes are checked against the slices, not the whole tensors).
 
     Every name, shape and dtype is checked before any byte is written; a mismatch (and, with

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 from .. import settings as _settings
 from ..format.header import TensorInfo
-from ..format.tp import Shard, indices_for
+from ..format.tp import TPSlice, indices_for
 from ..io.checkpoint import Names, open_checkpoint, select
 from .destinations import Destinations
 from .inflight import LoadInFlight
@@ -114,7 +114,7 @@ class safe_open:
         load.finish()
         return load.dests.all_arrays()
 
-    def tensors(self, names: Names = None, *, shard: Shard | None = None,
+    def tensors(self, names: Names = None, *, shard: TPSlice | None = None,
                 progress: bool | None = None) -> Iterator[tuple[str, Any]]:
         """Yield ``(name, array)`` as each tensor lands (file order, or the order of a list);
         with ``shard``, each array is this rank's slice; ``progress`` as in load_file."""

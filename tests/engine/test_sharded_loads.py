@@ -436,9 +436,9 @@ def test_shard_errors_name_the_tensor(ckpt):
         fs.load_file(d, shard=fs.Shard(0, 2, 0))
     with pytest.raises(ValueError, match="'scale'.*'\\*': None"):
         fs.load_file(d, shard=fs.Shard(0, 2, {"*.weight": 0, "layers.*": 0, "empty": 0}))
-    with pytest.raises(TypeError, match="foxhunt_stream.Shard"):
+    with pytest.raises(TypeError, match="foxhunt_stream.TPSlice"):
         fs.load_file(d, shard=(0, 2))
-    with pytest.raises(TypeError, match="foxhunt_stream.Shard"):
+    with pytest.raises(TypeError, match="foxhunt_stream.TPSlice"):
         fs.load_into({n: np.zeros_like(v) for n, v in t.items()}, d, shard=(0, 2))
 
 

@@ -22,8 +22,8 @@ _LAZY = {
     "read_header": "io.checkpoint", "DistributedLoadError": "distributed.load", "VerifyReport": "integrity.verifier",
     "verify": "integrity.verifier", "LoadHandle": "engine.loader", "LoadIntoWarning": "engine.loader",
     "load_file": "engine.loader", "load_into": "engine.loader", "safe_open": "engine.loader",
-    "PrefetchHandle": "startup.prefetch", "prefetch": "startup.prefetch", "warmup": "startup.prefetch",
-    "WarmupHandle": "startup.prefetch", "record_imports": "startup.importtrace", "save_file": "engine.saver",
+    "PrefetchHandle": "startup.prefetch", "prefetch": "startup.prefetch", "warmup": "startup.warmup",
+    "WarmupHandle": "startup.warmup", "record_imports": "startup.importtrace", "save_file": "engine.saver",
     "Shard": "format.tp", "clean_stale_temps": "io.sink",
 }
 
@@ -41,7 +41,8 @@ if TYPE_CHECKING:   # what static tools see; at run time these load lazily
     from .integrity.verifier import VerifyReport, verify
     from .engine.loader import LoadHandle, LoadIntoWarning, load_file, load_into, safe_open
     from .startup.importtrace import record_imports
-    from .startup.prefetch import PrefetchHandle, WarmupHandle, prefetch, warmup
+    from .startup.prefetch import PrefetchHandle, prefetch
+    from .startup.warmup import WarmupHandle, warmup
     from .engine.saver import save_file
     from .format.tp import Shard
     from .io.sink import clean_stale_temps

@@ -22,8 +22,8 @@ _LAZY = {
     "read_header": "io.checkpoint", "DistributedLoadError": "distributed.load", "VerifyReport": "integrity.verify",
     "verify": "integrity.verify", "LoadHandle": "engine.handle", "LoadIntoWarning": "engine.loader",
     "load_file": "api", "load_into": "engine.loader", "safe_open": "engine.safe_open",
-    "PrefetchHandle": "startup.prefetch", "prefetch": "startup.prefetch", "warmup": "startup.prefetch",
-    "WarmupHandle": "startup.prefetch", "record_imports": "startup.importtrace", "save_file": "engine.saver",
+    "PrefetchHandle": "startup.prefetch", "prefetch": "startup.prefetch", "warmup": "startup.warmup",
+    "WarmupHandle": "startup.warmup", "record_imports": "startup.importtrace", "save_file": "engine.saver",
     "Shard": "format.tp", "TPSlice": "format.tp", "clean_stale_temps": "io.sink",
 }
 
@@ -44,7 +44,8 @@ if TYPE_CHECKING:   # what static tools see; at run time these load lazily
     from .engine.safe_open import safe_open
     from .integrity.verify import VerifyReport, verify
     from .startup.importtrace import record_imports
-    from .startup.prefetch import PrefetchHandle, WarmupHandle, prefetch, warmup
+    from .startup.prefetch import PrefetchHandle, prefetch
+    from .startup.warmup import WarmupHandle, warmup
     from .engine.saver import save_file
     from .format.tp import Shard, TPSlice
     from .io.sink import clean_stale_temps

@@ -1,7 +1,7 @@
 """Checksum blocks hashed where the bytes already are: xxh3-64 block digests on the GPU.
 
-Why: on the H200 machine ``verify=True`` hashing on the host cost +29-41% of a hot load
-(benchmarks/RESULTS.md, session 2): the host's memory bandwidth is what the page-cache reads
+Why: on an H200 machine with 16 vCPU ``verify=True`` hashing on the host cost +29-41% of a hot
+load (benchmarks/RESULTS.md, verify): the host's memory bandwidth is what the page-cache reads
 already use up, and hashing is one more read of every byte. The GPU's memory has bandwidth to
 spare, so the landed bytes can be hashed there instead, block by block, many blocks at once.
 
@@ -10,14 +10,15 @@ The digest is XXH3-64 with seed 0 and the default secret (the same value python-
 240 bytes; shorter blocks (a tensor's last block can be any size) are hashed on the host. Two
 implementations of the same steps: ``xxh3_64_long`` (numpy, vectorized over blocks: the
 reference, checked against python-xxhash in the tests) and a CUDA kernel (``block_digests``),
-checked against the reference on the GPU machine.
+checked against the reference on a GPU.
 
 Used by ``load_file(..., verify=True)`` on a GPU (``verify_on="auto"``, the default, or
 ``"landed"``; integrity.Verifier.landed / landed_batch): a plain load hashes every tensor in one
 launch once its copies are done (``spans_digests`` over a table of every block), ``tensors()`` and
-background handles each tensor as it lands. Checked on the H200 (tests/test_device_digest.py,
-tests/test_integrity.py GPU tests): digests equal python-xxhash's; verify=True costs +1-5% of a hot
-16 GB load this way against +33-47% hashing on the host (benchmarks/RESULTS.md, session 3).
+background handles each tensor as it lands. Checked on an H200 (tests/cuda/test_cuda_digest.py,
+the GPU tests of tests/integrity/test_checksums.py): digests equal python-xxhash's; verify=True
+costs +1-5% of a hot 16 GB load this way against +33-47% hashing on the host
+(benchmarks/RESULTS.md, verify).
 """
 
 from __future__ import annotations
@@ -49,9 +50,6 @@ STRIPE = 64                              # bytes per stripe: 8 lanes of 8 bytes
 STRIPES_PER_BLOCK = (len(SECRET) - STRIPE) // 8   # 16: the secret advances 8 bytes per stripe
 BLOCK = STRIPE * STRIPES_PER_BLOCK       # 1024 bytes between scrambles
 MIN_LONG = 241                           # shorter inputs take the short-input paths (host only)
-
-_KEYS = np.frombuffer(SECRET, "<u8", offset=0, count=len(SECRET) // 8)
-
 
 def _secret_words(offset: int) -> np.ndarray:
     """The 8 little-endian 64-bit words of the secret starting at byte ``offset`` (any offset)."""
@@ -127,8 +125,8 @@ def kernel_keys() -> np.ndarray:
 # between them), but the 16 stripes x 8 lanes inside one are independent sums: lane t of the
 # warp owns accumulator t % 8 and loads words t, t + 32, t + 64, t + 96 of each 1 KiB block (one
 # coalesced 256-byte load per step), and the four lanes of an accumulator add their parts with
-# two shuffles. A thread per block (the first version) loaded 8 bytes at a time from 2000
-# scattered places and ran at ~11 GB/s on the H200; a warp per block keeps HBM busy.
+# two shuffles. A thread per block would load 8 bytes at a time from 2000 scattered places
+# (~11 GB/s on an H200); a warp per block keeps HBM busy.
 KERNEL = r"""
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -256,8 +254,8 @@ class KernelUnavailable(RuntimeError):
     GPU...): the caller hashes on the host instead."""
 
 
-def _kernel(device: int):
-    """The compiled kernel and its keys on ``device`` (made once per process and device; the
+def build_kernel(device: int):
+    """The compiled kernel and its keys on ``device`` (built once per process and device: the
     first call compiles with NVRTC, ``warmup(device, verify=True)`` pays for that up front). A
     failed build is remembered and raised as KernelUnavailable on every call."""
     import cupy as cp
@@ -322,7 +320,7 @@ def spans_digests(spans, block: int, device: int = 0, stream=None):
     import cupy as cp
     table, first = block_table(spans, block)
     count = first[-1]
-    kern, keys = _kernel(device)
+    kern, keys = build_kernel(device)
     with cp.cuda.Device(device), (stream if stream is not None else contextlib.nullcontext()):
         out = cp.empty(count, cp.uint64)
         if count:

@@ -121,11 +121,14 @@ class FileSource:
             got += n
         self._count(want)
 
-    def warm(self, offset: int, length: int, scratch: np.ndarray, copy: bool = False) -> None:
+    def fill_cache(self, offset: int, length: int, scratch: np.ndarray | memoryview, copy: bool = False, *,
+                   count: bool = True) -> None:
         """Make ``[offset, offset+length)`` resident in the page cache (a prefetch): through
-        ``sendfile_to_null`` where it works, else (or with ``copy``) read into ``scratch`` piece by
-        piece. A truncated file is FormatError "file-truncated", as for reads; the fault hook
-        applies."""
+        ``sendfile_to_null`` where it works, else (or with ``copy``) read into ``scratch`` (a
+        writable buffer: a numpy array or a memoryview) piece by piece. A truncated file is
+        FormatError "file-truncated", as for reads; the fault hook applies. ``count=False``: not a
+        checkpoint's bytes (a code file read ahead of the imports), so not counted in
+        ``bytes_read`` / ``total_bytes_read``."""
         limit = length
         if fault_hook is not None:
             r = self._inject(offset, length)
@@ -145,7 +148,8 @@ class FileSource:
                                    f"{e.strerror}") from e
         if got < length:
             raise self._short(offset, got, length)
-        self._count(length)
+        if count:
+            self._count(length)
 
     def read_span(self, offset: int, length: int, scratch: np.ndarray) -> np.ndarray:
         """The bytes ``[offset, offset+length)`` as a view, read into ``scratch`` if needed."""

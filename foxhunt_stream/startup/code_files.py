@@ -1,44 +1,33 @@
 """The code a start imports, read before the weights (``prefetch(..., imports=, modules=)``).
 
-A cold start waits for its imports, not for its weights. ``CodeWarm`` reads the files an import
-trace lists (``importtrace``), or whole packages, with 8 hinted readers at normal priority, warms
-their directories and inodes on a thread beside them (``warm_metadata``), and then runs what was
-asked to follow (``then``: the weights' readers). It is started before anything heavy is imported:
-this module and ``importtrace`` import no numpy, so ``fs.prefetch``'s code readers are already
-fetching numpy's own files (they lead the trace) while the calling thread imports numpy to parse
-the checkpoint's headers.
+A cold start waits for its imports, not for its weights. ``TracedCodeReader`` reads the files an
+import trace lists (``importtrace``), or whole packages, with 8 hinted readers at normal priority
+(``readers.read_range``, best effort), lists their directories and stats their inodes on a
+thread beside them (``prefetch_metadata``), and then runs what was asked to follow (``then``: the
+weights' readers). It is started before anything heavy is imported: this module, ``readers`` and
+``importtrace`` import no numpy, so ``fs.prefetch``'s code readers are already fetching numpy's
+own files (they lead the trace) while the calling thread imports numpy to parse the checkpoint's
+headers.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
-from .importtrace import _quiet, _quietly, code_files, dist_records, warm_metadata
 from ..engine.pipeline import Cancelled, Job
-from ..io.pagecache import resident_fraction, sendfile_to_null
+from ..io.pagecache import resident_fraction
+from ..io.source import FileSource
+from .importtrace import code_files, dist_records, prefetch_metadata, run_unwatched, unwatch_this_thread
+from .readers import Piece, read_range, scratch_buffer
 
 log = logging.getLogger("foxhunt_stream")
 
 CODE_THREADS = 8       # readers of the code files: what the imports wait for
-READ_BYTES = 1 << 20   # a reader's buffer where sendfile cannot warm the cache
 SMALL_FILE = 16 << 20  # code files below this are judged by a sample (sample_resident), not one by one
 RESIDENT_SAMPLE = 32
-
-
-class Piece(NamedTuple):
-    """One unit of prefetch work: ``length`` bytes at ``offset`` of file number ``file`` (a code
-    file here, ``CodeWarm.paths[file]``; a checkpoint file in ``warm``)."""
-    file: int
-    offset: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
 
 
 def sample_resident(paths: Sequence[str], k: int = RESIDENT_SAMPLE) -> bool:
@@ -53,20 +42,15 @@ def sample_resident(paths: Sequence[str], k: int = RESIDENT_SAMPLE) -> bool:
         return False
 
 
-def _advise(fd: int, offset: int, length: int) -> None:
-    try:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-    except (AttributeError, OSError):   # a hint only: not every platform/filesystem takes it
-        pass
+class TracedCodeReader:
+    """Reads the code files of the ``imports`` trace and of the ``modules`` packages on its own
+    threads, starting now.
 
-
-class CodeWarm:
-    """Reads ``modules``' and the ``imports`` trace's files on its own threads, starting now.
-
-    ``wait()`` returns once they are read and their metadata warmed (``PrefetchHandle.
+    ``wait()`` returns once they are read and their metadata prefetched (``PrefetchHandle.
     wait_imports``); ``then(fn)`` runs ``fn`` when the reads are over (at once if they are);
     ``cancel()`` stops the readers after their current piece. ``paths`` and ``nbytes``: what was
-    read; ``records``: the distributions' ``RECORD`` files among them (``importtrace.warm_records``)."""
+    read; ``records``: the distributions' ``RECORD`` files among them
+    (``importtrace.prefetch_record_metadata``)."""
 
     def __init__(self, modules: Sequence[str], imports: str | None, piece_bytes: int,
                  skip_resident: bool = True, advise_only: bool = False) -> None:
@@ -80,12 +64,16 @@ class CodeWarm:
         self._lock = threading.Lock()
         self._over = False
         self._then: list[Callable[[], None]] = []
-        self._buffers: list[bytearray | None] = [None] * CODE_THREADS
+        self._scratch: dict[int, memoryview] = {}
         self.thread = threading.Thread(target=self._run, name="foxhunt-prefetch-modules", daemon=True)
         self.thread.start()
 
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    def reading(self) -> bool:
+        """Whether the code files are still being found or read (their metadata aside)."""
+        return self.thread.is_alive()
 
     def then(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -95,36 +83,20 @@ class CodeWarm:
         fn()
 
     def _run(self) -> None:
-        _quiet.on = True   # the trace, the residency checks: not the process's own reads
+        unwatch_this_thread()   # the trace, the residency checks: not the process's own reads
         try:
             modules, imports, piece_bytes, skip_resident = self._args
-            try:
-                files, dirs = code_files(modules, imports)
-                if skip_resident and files and sample_resident([p for p, _ in files]):
-                    # a hot start: thousands of small opens and stats would only cost the
-                    # importing thread GIL hand-offs; big files are still checked one by one
-                    files, dirs = [(p, r) for p, r in files if r[-1][1] >= SMALL_FILE], []
-                if (files or dirs) and not self.cancelled():   # directories and inodes on their own thread
-                    self.metadata_thread = threading.Thread(
-                        target=_quietly, args=(warm_metadata, [p for p, _ in files], dirs, self.cancelled),
-                        name="foxhunt-prefetch-metadata", daemon=True)
-                    self.metadata_thread.start()
-                self.records = dist_records([p for p, _ in files])
-                if skip_resident:   # big libraries already in memory (a hot start): nothing to read
-                    files = [(p, r) for p, r in files
-                             if r[-1][1] < SMALL_FILE or resident_fraction(p, samples=64) < 1.0]
-            except Exception:   # noqa: BLE001 - best effort like the reads: the checkpoint still warms
-                log.debug("prefetch: finding the modules' files failed", exc_info=True)
-                files = []
+            files = self._find_files(modules, imports, skip_resident)
             self.paths = [p for p, _ in files]
             pieces = [Piece(i, off, min(piece_bytes, b - off))
                       for i, (_, ranges) in enumerate(files) for a, b in ranges for off in range(a, b, piece_bytes)]
             if pieces and not self.cancelled():
                 # the imports are waiting for these: at normal priority, hinted, a deep queue
-                job = Job(pieces, self._read, CODE_THREADS, self._counted, name="foxhunt-prefetch").start()
+                job = Job(pieces, self._read, CODE_THREADS, self._counted, name="foxhunt-prefetch",
+                          setup=self._setup).start()
                 try:
                     job.wait()
-                except BaseException:   # noqa: BLE001 - warming imports is best effort
+                except BaseException:   # noqa: BLE001 - reading ahead of the imports is best effort
                     pass
         finally:
             with self._lock:
@@ -133,35 +105,48 @@ class CodeWarm:
             for fn in then:
                 fn()
 
+    def _find_files(self, modules, imports, skip_resident: bool) -> list[tuple[str, list[tuple[int, int]]]]:
+        """The files to read and their ranges; starts the metadata thread and notes the RECORDs."""
+        try:
+            files, dirs = code_files(modules, imports)
+            if skip_resident and files and sample_resident([p for p, _ in files]):
+                # a hot start: thousands of small opens and stats would only cost the
+                # importing thread GIL hand-offs; big files are still checked one by one
+                files, dirs = [(p, r) for p, r in files if r[-1][1] >= SMALL_FILE], []
+            if (files or dirs) and not self.cancelled():   # directories and inodes on their own thread
+                self.metadata_thread = threading.Thread(
+                    target=run_unwatched, args=(prefetch_metadata, [p for p, _ in files], dirs, self.cancelled),
+                    name="foxhunt-prefetch-metadata", daemon=True)
+                self.metadata_thread.start()
+            self.records = dist_records([p for p, _ in files])
+            if skip_resident:   # big libraries already in memory (a hot start): nothing to read
+                files = [(p, r) for p, r in files if r[-1][1] < SMALL_FILE or resident_fraction(p, samples=64) < 1.0]
+            return files
+        except Exception:   # noqa: BLE001 - best effort like the reads: the checkpoint still gets read
+            log.debug("prefetch: finding the modules' files failed", exc_info=True)
+            return []
+
+    def _setup(self, worker: int) -> None:
+        unwatch_this_thread()
+        self._scratch[worker] = scratch_buffer()
+
     def _counted(self, _i: int, piece: Piece, _result) -> None:
         self.nbytes += piece.length   # under the GIL; a progress figure only
 
     def _read(self, worker: int, piece: Piece) -> None:
-        _quiet.on = True
-        if self.cancelled():   # not even opened and hinted: a hint queues the whole piece
+        if self.cancelled():   # not even opened (and hinted: a hint queues the whole piece)
             raise Cancelled("cancelled")
         try:
-            fd = os.open(self.paths[piece.file], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            src = FileSource(self.paths[piece.file])
         except OSError:
             return   # gone or unreadable: the import will say so, not the prefetch
-        try:
-            _advise(fd, piece.offset, piece.length)
-            if self._advise_only or self.cancelled():
-                return
-            got = sendfile_to_null(fd, piece.offset, piece.length) or 0
-            if got < piece.length:   # no sendfile, or it stopped part way (or end of file)
-                buf = self._buffers[worker] = self._buffers[worker] or bytearray(READ_BYTES)
-                view = memoryview(buf)
-                for off in range(piece.offset + got, piece.end, READ_BYTES):
-                    if os.preadv(fd, [view[:min(READ_BYTES, piece.end - off)]], off) <= 0:
-                        return   # shorter than listed (rewritten): nothing more to warm
-        except OSError:
-            return   # best effort: the import reads its own files
-        finally:
-            os.close(fd)
+        with src:   # best effort: a failed or short read ends the file; the import reads its own files
+            if not read_range(src, piece.offset, piece.length, self._scratch[worker], cancelled=self.cancelled,
+                              hint=True, hint_only=self._advise_only, best_effort=True, count=False):
+                raise Cancelled("cancelled")
 
     def wait(self, timeout: float | None = None) -> None:
-        """Until the files are read and their directories and inodes warmed."""
+        """Until the files are read and their directories and inodes prefetched."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in (self.thread, self.metadata_thread):   # the second is started by the first
             if t is not None:

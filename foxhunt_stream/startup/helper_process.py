@@ -1,10 +1,11 @@
 """A prefetch's checkpoint reads in a child process (``prefetch(..., helper_process=True)``).
 
-Reader threads in the importing process take its GIL back after every ``sendfile`` call; on
-the H200 machine, cold, ``import transformers`` took 15-16 s beside them against 7.2-7.8 s after
-the same code replay with nothing streaming, while a stream in *another* process slowed a hot
-import by only 3-11%. ``ChildJob`` runs the same pieces in ``python -m foxhunt_stream.warmchild``:
-its reads never touch this process's GIL.
+Reader threads in the importing process take its GIL back after every ``sendfile`` call; on an
+H200 machine with 16 vCPU, cold, ``import transformers`` took 15-16 s beside them against 7.2-7.8 s
+after the same code prefetch with nothing streaming, while a stream in *another* process slowed
+a hot import by only 3-11%. ``ChildJob`` runs the same readers (``readers.PieceReaders``) on the
+same pieces in ``python -m foxhunt_stream.startup.helper_process``: its reads never touch this
+process's GIL.
 
 The protocol, one line each way: the parent writes the job as JSON, then ``fast`` when a load of
 the files begins (big steps, no rate cap); closing the child's stdin stops it. The child writes
@@ -19,10 +20,13 @@ import json
 import os
 import sys
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Sequence
 
+from ..engine.pipeline import Cancelled, Job
 from ..errors import FormatError
-from ..engine.pipeline import Cancelled
+from ..io.source import FileSource
+from .importtrace import prefetch_record_metadata
+from .readers import Piece, PieceReaders
 
 REPORT_BYTES = 256 << 20
 
@@ -44,17 +48,20 @@ def _error_from(record: dict) -> BaseException:
 
 
 class ChildJob:
-    """Warms ``pieces`` (``warm.Piece`` of ``paths``) in a child process; ``on_done(i, piece,
-    None)`` runs here, on a monitor thread, for each piece the child reports."""
+    """Reads ``pieces`` (``readers.Piece`` of ``paths``) into the page cache in a child process;
+    ``on_done(i, piece, None)`` runs here, on a monitor thread, for each piece the child reports.
+    ``step``, ``fast_step``, ``max_rate``, ``no_readahead``, ``copy``: as for
+    ``readers.PieceReaders``."""
 
     def __init__(self, paths: Sequence[str], sizes: Sequence[int], pieces: Sequence[Any],
                  on_done: Callable[[int, Any, Any], None], threads: int, priority: str, step: int,
                  fast_step: int, max_rate: float | None = None, command: Sequence[str] | None = None,
-                 shallow: bool = False, copy: bool = False) -> None:
+                 no_readahead: bool = False, copy: bool = False) -> None:
         self.items = pieces
-        self._spec = {"paths": list(paths), "sizes": list(sizes), "threads": threads, "priority": priority,
+        # the job as the child gets it (the protocol's first line; "records" added at start)
+        self.spec = {"paths": list(paths), "sizes": list(sizes), "threads": threads, "priority": priority,
                       "step": step, "fast_step": fast_step, "max_rate": max_rate, "report_bytes": REPORT_BYTES,
-                      "shallow": shallow, "copy": copy,
+                      "no_readahead": no_readahead, "copy": copy,
                       "pieces": [[p.file, p.offset, p.length] for p in pieces]}
         self._on_done = on_done
         self._command = list(command) if command else [sys.executable, "-m", "foxhunt_stream.startup.helper_process"]
@@ -80,7 +87,7 @@ class ChildJob:
             self._proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           stderr=self._stderr, close_fds=True)
             with self._lock:
-                self._proc.stdin.write(json.dumps({**self._spec, "records": self.records}).encode() + b"\n")
+                self._proc.stdin.write(json.dumps({**self.spec, "records": self.records}).encode() + b"\n")
                 if self._fast:
                     self._proc.stdin.write(b"fast\n")
                 self._proc.stdin.flush()
@@ -158,98 +165,94 @@ class ChildJob:
             raise self.error
 
 
-def child_main(stdin=None, stdout=None) -> int:
-    """The child: read the job, warm its pieces with ``threads`` readers, report; 0 when all
-    were read, 1 after an error (reported first)."""
-    import numpy as np
-
-    from ..io.source import FileSource
-    from .importtrace import warm_records
-    from .prefetch import READ_BYTES, Pacer, _advise_all, set_idle_io_priority
-
+def child_main(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> int:
+    """The child: read the job from ``stdin``, read its pieces into the page cache with
+    ``threads`` readers, report on ``stdout``; 0 when all were read (or the parent stopped it),
+    1 after an error (reported first)."""
     stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer
     spec = json.loads(stdin.readline())
-    pieces = spec["pieces"]
-    sources = {f: FileSource(p, s) for f, (p, s) in enumerate(zip(spec["paths"], spec["sizes"]))
-               if any(piece[0] == f for piece in pieces)}
-    pacer = Pacer(spec.get("max_rate"))
-    shallow = bool(spec.get("shallow"))   # warm.IDLE_READ shallow or pread: one step queued per reader
-    copy = bool(spec.get("copy"))         # ... pread: through the scratch buffer
-    if shallow:
-        _advise_all(sources, "POSIX_FADV_RANDOM")
-    fast, stop = threading.Event(), threading.Event()
-    out_lock = threading.Lock()
-    pending: list[int] = []
-    pending_bytes = [0]
-    next_piece = iter(range(len(pieces)))
-    failed: list[BaseException] = []
+    pieces = [Piece(*p) for p in spec["pieces"]]
+    files = {p.file for p in pieces}
+    sources = {f: FileSource(p, s) for f, (p, s) in enumerate(zip(spec["paths"], spec["sizes"])) if f in files}
+    try:
+        report = _Report(stdout, spec["report_bytes"])
+        job: Job | None = None
+        readers = PieceReaders(sources, lambda: job is not None and job.cancelled(), step=spec["step"],
+                               fast_step=spec["fast_step"], idle=spec["priority"] == "idle",
+                               hint=spec["priority"] != "idle", no_readahead=bool(spec.get("no_readahead")),
+                               copy=bool(spec.get("copy")), max_rate=spec.get("max_rate"))
+        job = Job(pieces, readers.work, max(1, spec["threads"]), report.landed, name="foxhunt-prefetch",
+                  setup=readers.setup)
+        readers.start()
+        threading.Thread(target=_follow_parent, args=(stdin, readers, job), daemon=True).start()
+        records = None
+        if spec.get("records"):   # beside the readers: the importer stats these within seconds
+            records = threading.Thread(target=prefetch_record_metadata, args=(spec["records"], job.cancelled))
+            records.start()
+        job.start()
+        error = _outcome(job)
+        if records is not None:
+            records.join()
+        return report.finish(error)
+    finally:
+        for src in sources.values():
+            src.close()
 
-    def control():
-        for line in stdin:
-            if line.strip() == b"fast":
-                if shallow:
-                    _advise_all(sources, "POSIX_FADV_NORMAL")
-                fast.set()
-                pacer.release()
-        stop.set()   # the parent closed our stdin: cancelled, or gone
-        pacer.release()
 
-    def report(force: bool = False) -> None:
-        if pending and (force or pending_bytes[0] >= spec["report_bytes"]):
-            stdout.write(b"d " + ",".join(map(str, pending)).encode() + b"\n")
-            stdout.flush()
-            pending.clear()
-            pending_bytes[0] = 0
+def _follow_parent(stdin: BinaryIO, readers: PieceReaders, job: Job) -> None:
+    """The child's control thread: ``fast`` lifts the pace; the end of stdin (the parent
+    cancelled, or is gone) stops the readers after their current step."""
+    for line in stdin:
+        if line.strip() == b"fast":
+            readers.go_fast()
+    job.cancel()
+    readers.pacer.release()
 
-    def reader():
-        if spec["priority"] == "idle":
-            set_idle_io_priority()
-        scratch = np.empty(max(READ_BYTES, spec["step"]) if copy else READ_BYTES, np.uint8)
-        try:
-            while not stop.is_set():
-                with out_lock:
-                    i = next(next_piece, None)
-                if i is None:
-                    return
-                f, off, length = pieces[i]
-                end = off + length
-                if spec["priority"] != "idle":   # as the in-process readers do (warm._advise)
-                    try:
-                        os.posix_fadvise(sources[f].fd, off, length, os.POSIX_FADV_WILLNEED)
-                    except (AttributeError, OSError):
-                        pass
-                while off < end:
-                    if stop.is_set():
-                        return
-                    n = min(spec["fast_step"] if fast.is_set() else spec["step"], end - off)
-                    pacer.take(n)
-                    sources[f].warm(off, n, scratch, copy=copy and not fast.is_set())
-                    off += n
-                with out_lock:
-                    pending.append(i)
-                    pending_bytes[0] += length
-                    report()
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
-            failed.append(e)
-            stop.set()
 
-    threading.Thread(target=control, daemon=True).start()
-    threads = [threading.Thread(target=reader) for _ in range(max(1, spec["threads"]))]
-    if spec.get("records"):   # beside the readers: the importer stats these within seconds
-        threads.append(threading.Thread(target=warm_records, args=(spec["records"], stop.is_set)))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    with out_lock:
-        report(force=True)
-        if failed:
-            stdout.write(b"e " + json.dumps(_error_record(failed[0])).encode() + b"\n")
-            stdout.flush()
-    for src in sources.values():
-        src.close()
-    return 1 if failed else 0
+def _outcome(job: Job) -> BaseException | None:
+    """The error that stopped the readers; None when they read everything or were stopped."""
+    try:
+        job.wait()
+    except Cancelled:
+        return None
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        return e
+    return None
+
+
+class _Report:
+    """The child's ``d`` and ``e`` lines (see the module's docstring)."""
+
+    def __init__(self, out: BinaryIO, batch_bytes: int) -> None:
+        self._out = out
+        self._batch_bytes = batch_bytes
+        self._lock = threading.Lock()
+        self._pending: list[int] = []
+        self._pending_bytes = 0
+
+    def landed(self, i: int, piece: Piece, _result: Any) -> None:
+        """A reader finished piece ``i`` (``pipeline.Job``'s ``on_done``)."""
+        with self._lock:
+            self._pending.append(i)
+            self._pending_bytes += piece.length
+            if self._pending_bytes >= self._batch_bytes:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._out.write(b"d " + ",".join(map(str, self._pending)).encode() + b"\n")
+            self._out.flush()
+            self._pending.clear()
+            self._pending_bytes = 0
+
+    def finish(self, error: BaseException | None) -> int:
+        with self._lock:
+            self._flush()
+            if error is not None:
+                self._out.write(b"e " + json.dumps(_error_record(error)).encode() + b"\n")
+                self._out.flush()
+        return 1 if error is not None else 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ imports find them in memory. Two ways to know them:
   library, and, after ``watch_opens``, the other files and directories its Python code read);
   ``read_trace(path)`` gives them back to the next start's ``prefetch(..., imports=path)``.
 
+Besides the files' bytes, the imports wait for directory listings and inodes: a prefetch lists
+and stats them ahead too (``prefetch_metadata``, ``prefetch_record_metadata``).
+
 Pure helpers (``order_loaded_files``, ``merge_ranges``, ``present_runs``, ``format_trace``,
 ``parse_import_trace``) are tested without any I/O.
 """
@@ -33,7 +36,7 @@ def module_files(modules: Sequence[str]) -> list[tuple[str, int]]:
     """The files an import of each top-level package would read: its shared libraries and
     bytecode (``(path, size)``, packages in the order given, biggest files first within each).
     Found with ``importlib.util.find_spec``, which imports nothing; unknown names are skipped.
-    For a cold start: warming torch's libraries (GBs) ahead of ``import torch`` in big reads is
+    For a cold start: reading torch's libraries (GBs) ahead of ``import torch`` in big reads is
     faster than the import's own page faults, and keeps the checkpoint's reads off its path."""
     import importlib.util
     import sys
@@ -186,7 +189,7 @@ def mapped_libraries() -> dict[str, list[tuple[int, int]]]:
     return {p: [] if p in whole else merge_ranges(r) for p, r in out.items()}
 
 
-_quiet = threading.local()       # .on in foxhunt's own reader threads: their opens are not noted
+_quiet = threading.local()       # .on in foxhunt's own threads (unwatch_this_thread): their opens are not noted
 _opened: list[str] = []          # files opened for reading / directories listed, in order (watch_opens)
 _watching = False
 DATA_FILE_LIMIT = 64 << 20       # bigger files opened by Python code (checkpoints) are not traced
@@ -227,9 +230,16 @@ def _note(event: str, args: tuple) -> None:
     _opened.append(os.path.abspath(path) + (os.sep if path.endswith(os.sep) else ""))
 
 
-def _quietly(fn, *args) -> None:
-    """Run ``fn`` on this (foxhunt) thread without noting its opens as the process's."""
+def unwatch_this_thread() -> None:
+    """From now on, this (foxhunt) thread's opens are not noted by ``watch_opens``: a prefetch's
+    own reads (the trace, the code files, the checkpoint) are not what the start read."""
     _quiet.on = True
+
+
+def run_unwatched(fn, *args) -> None:
+    """``fn(*args)`` as the body of a foxhunt thread whose opens are not noted (the target of a
+    ``threading.Thread``)."""
+    unwatch_this_thread()
     fn(*args)
 
 
@@ -357,7 +367,7 @@ CodeFile = tuple[str, list[tuple[int, int]]]   # a file and the (start, end) ran
 def read_trace(path: str | os.PathLike) -> tuple[list[CodeFile], list[str]]:
     """The files of a trace that still exist, with the ranges to read (clipped to the file's
     size now), and the directories it lists (lines ending in a separator: only listed, see
-    ``warm_metadata``). A missing trace (the first start) lists nothing, and so does one that
+    ``prefetch_metadata``). A missing trace (the first start) lists nothing, and so does one that
     cannot be read; lines that name no file (garbage, an embedded NUL) are skipped."""
     try:
         with open(path, encoding="utf-8", errors="surrogateescape") as f:   # names as os gives them
@@ -399,7 +409,7 @@ def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> tup
     return out, dirs
 
 
-def warm_metadata(files: Sequence[str], dirs: Sequence[str] = (), stop=None) -> None:
+def prefetch_metadata(files: Sequence[str], dirs: Sequence[str] = (), stop=None) -> None:
     """What an import touches besides the bytecode: the listing of each package directory (and
     of ``dirs``, those the traced start listed) and the source file's ``stat`` (the bytecode is
     checked against it). After ``drop_caches`` these are small random reads of directories and
@@ -434,7 +444,7 @@ def dist_records(files: Sequence[str]) -> list[str]:
     """The ``RECORD`` files of installed distributions among ``files``. ``importlib.metadata``'s
     ``Distribution.files`` reads one and then stats every file it lists (``packages_distributions()``
     does so for each distribution without a ``top_level.txt``; transformers calls it at import):
-    on the H200 machine, cold, ~1.2-5 s of ``import transformers`` waited for those inodes."""
+    on an H200 machine with 16 vCPU, cold, ~1.2-5 s of ``import transformers`` waited for those inodes."""
     return [p for p in files if os.path.basename(p) == "RECORD" and os.path.dirname(p).endswith(".dist-info")]
 
 
@@ -453,7 +463,7 @@ def record_paths(record: str, text: str) -> list[str]:
     return out
 
 
-def warm_records(records: Sequence[str], stop=None, threads: int = 4) -> int:
+def prefetch_record_metadata(records: Sequence[str], stop=None, threads: int = 4) -> int:
     """``stat`` every file the ``records`` list (``dist_records``), with ``threads`` threads: the
     inodes ``Distribution.files`` will look at are then cached. Returns how many were stat'ed;
     ``stop()`` true: return soon (cancel). Best effort: missing files and unreadable RECORDs

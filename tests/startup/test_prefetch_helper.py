@@ -1,6 +1,6 @@
-"""prefetch(helper_process=True): the checkpoint's pieces are warmed by a child process
-(foxhunt_stream.startup.helper_process) with the same readers, steps and pacing; progress, per-tensor waits,
-cancel, the load's unthrottle and errors all come back to the parent's handle."""
+"""prefetch(helper_process=True): the checkpoint's pieces are read into the page cache by a child
+process (``startup.helper_process``) with the same readers, steps and pacing; progress,
+per-tensor waits, cancel, the load's unthrottle and errors all come back to the parent's handle."""
 
 from __future__ import annotations
 
@@ -8,16 +8,19 @@ import io
 import json
 import os
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
 import foxhunt_stream as fs
-from foxhunt_stream.startup import helper_process as warmchild
+from foxhunt_stream.engine.pipeline import Cancelled
 from foxhunt_stream.errors import FormatError
+from foxhunt_stream.io import source
 from foxhunt_stream.io.pagecache import resident_fraction
-from foxhunt_stream.startup.prefetch import Piece
+from foxhunt_stream.startup import helper_process, prefetch as prefetch_mod
+from foxhunt_stream.startup.readers import Piece
 
 
 @pytest.fixture
@@ -37,13 +40,19 @@ def _evict(path):
         os.close(fd)
 
 
-def test_the_child_warms_every_piece(ckpt):
+def _children_watched() -> list[threading.Thread]:
+    """The threads that watch a helper process: each ends once its child has exited."""
+    return [t for t in threading.enumerate() if t.name == "foxhunt-prefetch-child"]
+
+
+def test_the_child_reads_every_piece(ckpt, monkeypatch):
     _evict(ckpt)
+    here = []
+    monkeypatch.setattr(source, "fault_hook", lambda *a: here.append(a))   # this process's reads
     h = fs.prefetch(ckpt, skip_resident=False, helper_process=True, chunk_bytes=1 << 20)
     h.wait("t2", timeout=60)
-    h.wait(timeout=60)
-    assert h.done() and h.bytes_done == h.nbytes > 0
-    assert h._job._proc.returncode == 0                   # a child did the reads, and exited cleanly
+    h.wait(timeout=60)   # raises if the child exited with an error or before reporting every piece
+    assert h.done() and h.bytes_done == h.nbytes > 0 and h.helper_process and here == []
     assert resident_fraction(ckpt, samples=64) == 1.0
 
 
@@ -52,8 +61,7 @@ def test_cancel_stops_the_child(ckpt):
     time.sleep(0.3)
     h.cancel()
     assert h.done() and h.bytes_done < h.nbytes
-    assert h._job._proc.poll() is not None               # gone, not left running
-    from foxhunt_stream.engine.pipeline import Cancelled
+    assert not _children_watched()                        # gone, not left running
     with pytest.raises(Cancelled):
         h.wait(timeout=5)
 
@@ -81,7 +89,7 @@ def test_the_child_reports_a_truncated_file_as_a_format_error(ckpt):
     r, w = os.pipe()                      # stdin stays open while it works (EOF would mean: stop)
     os.write(w, json.dumps(spec).encode() + b"\n")
     out = io.BytesIO()
-    rc = warmchild.child_main(os.fdopen(r, "rb"), out)
+    rc = helper_process.child_main(os.fdopen(r, "rb"), out)
     os.close(w)                           # its control thread reads EOF and ends
     lines = out.getvalue().splitlines()
     assert rc == 1 and lines[0] == b"d 0"
@@ -100,7 +108,7 @@ def test_an_error_line_from_the_child_is_raised_here_with_its_type(tmp_path):
     record = {"type": "FormatError", "rule": "file-truncated", "message": "short read", "path": "/x/y.safetensors"}
     cmd = _fake_child(tmp_path, f"print('d 0'); print('e ' + {json.dumps(json.dumps(record))}); sys.exit(1)")
     landed = []
-    job = warmchild.ChildJob(["/x/y.safetensors"], [10], [Piece(0, 0, 4), Piece(0, 4, 4)],
+    job = helper_process.ChildJob(["/x/y.safetensors"], [10], [Piece(0, 0, 4), Piece(0, 4, 4)],
                              lambda i, p, r: landed.append(i), 1, "idle", 4, 4, command=cmd).start()
     with pytest.raises(FormatError) as e:
         job.wait(timeout=30)
@@ -109,7 +117,7 @@ def test_an_error_line_from_the_child_is_raised_here_with_its_type(tmp_path):
 
 def test_a_child_that_dies_is_an_error_naming_its_status(tmp_path):
     cmd = _fake_child(tmp_path, "sys.stderr.write('boom'); sys.exit(3)")
-    job = warmchild.ChildJob(["/x"], [10], [Piece(0, 0, 4)], lambda *a: None, 1, "idle", 4, 4, command=cmd).start()
+    job = helper_process.ChildJob(["/x"], [10], [Piece(0, 0, 4)], lambda *a: None, 1, "idle", 4, 4, command=cmd).start()
     with pytest.raises(RuntimeError, match="status 3 after 0 of 1 pieces: boom"):
         job.wait(timeout=30)
 
@@ -124,7 +132,7 @@ def test_code_files_first_here_then_the_checkpoint_in_the_child(ckpt, tmp_path):
     h.wait_imports(timeout=30)
     assert h.module_bytes == 50_000
     h.wait(timeout=60)
-    assert h.bytes_done == h.nbytes and h._job._proc.returncode == 0
+    assert h.bytes_done == h.nbytes and h.helper_process
 
 
 def test_the_child_stats_the_files_of_the_records_it_is_given(ckpt, tmp_path, monkeypatch):
@@ -141,43 +149,44 @@ def test_the_child_stats_the_files_of_the_records_it_is_given(ckpt, tmp_path, mo
     real = os.stat
     monkeypatch.setattr(os, "stat", lambda p, *a, **k: (seen.append(os.fspath(p)), real(p, *a, **k))[1])
     spec = {"paths": [ckpt], "sizes": [os.path.getsize(ckpt)], "threads": 1, "priority": "idle", "step": 1 << 20,
-            "fast_step": 1 << 20, "max_rate": None, "report_bytes": 1, "shallow": True, "copy": False,
+            "fast_step": 1 << 20, "max_rate": None, "report_bytes": 1, "no_readahead": True, "copy": False,
             "pieces": [[0, 0, 4096]], "records": [str(record)]}
     r, w = os.pipe()
     os.write(w, json.dumps(spec).encode() + b"\n")
     out = io.BytesIO()
-    rc = warmchild.child_main(os.fdopen(r, "rb"), out)
+    rc = helper_process.child_main(os.fdopen(r, "rb"), out)
     os.close(w)
     assert rc == 0 and out.getvalue().splitlines() == [b"d 0"]
     assert {str(site / "p" / f"m{i}.py") for i in range(5)} <= set(seen)
 
 
-def test_an_idle_prefetch_reads_in_a_helper_by_default_and_a_normal_one_here(ckpt):
+def test_an_idle_prefetch_reads_in_a_helper_by_default_and_a_normal_one_here(ckpt, monkeypatch):
     """The startup case (priority="idle", the default) keeps its ~10^3 small reads a second off
-    this process's GIL: 8 shallow readers of 1 MiB in the helper; priority="normal" stays here."""
-    from foxhunt_stream.startup import prefetch as warm
-    from foxhunt_stream.engine.pipeline import Job
+    this process's GIL: 8 readers of 1 MiB in the helper, their files' readahead off;
+    priority="normal" stays here."""
+    jobs = []
+    real_start = helper_process.ChildJob.start
+    monkeypatch.setattr(helper_process.ChildJob, "start", lambda self: (jobs.append(self), real_start(self))[1])
     idle = fs.prefetch(ckpt, skip_resident=False)
     idle.wait(timeout=60)
-    assert isinstance(idle._job, warmchild.ChildJob) and idle._job._proc.returncode == 0
-    assert idle._job._spec["threads"] == min(warm.IDLE_THREADS, fs.settings.merge().threads)
-    assert idle._job._spec["step"] == warm.IDLE_STEP and idle._job._spec["shallow"]
+    assert idle.helper_process and len(jobs) == 1
+    spec = jobs[0].spec
+    assert spec["threads"] == min(prefetch_mod.IDLE_THREADS, fs.settings.merge().threads)
+    assert spec["step"] == prefetch_mod.IDLE_STEP and spec["fast_step"] == prefetch_mod.FAST_BYTES
+    assert spec["no_readahead"] and not spec["copy"] and spec["priority"] == "idle"
     normal = fs.prefetch(ckpt, skip_resident=False, priority="normal")
     normal.wait(timeout=60)
-    assert isinstance(normal._job, Job)
-    here = fs.prefetch(ckpt, names=[], helper_process=False)
-    assert isinstance(here._job, Job) and here._step() == warm.PACED_BYTES
+    assert not normal.helper_process and len(jobs) == 1
 
 
 def test_no_helper_process_here_means_reading_in_this_one(ckpt, monkeypatch):
     """Where no child can be started (an embedded interpreter, a sandbox), the default idle
-    prefetch still warms every byte, with threads of this process."""
-    from foxhunt_stream.engine.pipeline import Job
+    prefetch still reads every byte, with threads of this process."""
     monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
     _evict(ckpt)
     h = fs.prefetch(ckpt, skip_resident=False)
     h.wait(timeout=60)
-    assert isinstance(h._job, Job) and not h._helper
+    assert not h.helper_process
     assert h.bytes_done == h.nbytes == os.path.getsize(ckpt)
     assert resident_fraction(ckpt, samples=64) == 1.0
 
@@ -192,8 +201,12 @@ def test_without_a_helper_the_traced_records_are_stat_ed_here(ckpt, tmp_path, mo
     trace = tmp_path / "trace.txt"
     trace.write_text("# foxhunt-stream import trace v1\n" + str(record) + "\n")
     monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
+    seen = []
+    real = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: (seen.append(os.fspath(p)), real(p, *a, **k))[1])
     h = fs.prefetch(ckpt, imports=str(trace), skip_resident=False)
     h.wait(timeout=60)
-    assert not h._helper and h._records_thread is not None
-    h._records_thread.join(10)
-    assert not h._records_thread.is_alive()
+    assert not h.helper_process
+    for t in [t for t in threading.enumerate() if t.name == "foxhunt-prefetch-records"]:
+        t.join(10)
+    assert str(site / "p" / "m.py") in seen

@@ -1,0 +1,209 @@
+"""The page-cache reader: how every read of ``startup/`` brings a file's bytes into memory.
+
+One loop, ``read_range``, serves the three readers of a start: the checkpoint's reader threads
+in this process and in the helper process (both through ``PieceReaders``, the work of a
+``pipeline.Job``), and the readers of the code files an import trace lists (``code_files``).
+Each step of a range is one ``FileSource.fill_cache`` call: ``sendfile`` into /dev/null where it
+works (no copy, and the GIL is released for the whole step), else ``pread`` into a scratch
+buffer. What differs between the callers is a parameter: the step (small while the imports run,
+big once a load begins), a ``Pacer`` (``max_rate``), cancellation, a ``WILLNEED`` hint per
+range, and whether a failed read is an error (the checkpoint) or ends the range quietly (a code
+file: the import reads its own files and reports its own errors).
+
+This module imports no numpy: the code readers start before the caller has imported it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from typing import Callable, Iterable, Mapping, NamedTuple
+
+from ..engine.pipeline import Cancelled
+from ..errors import FormatError
+from ..io.pagecache import advise
+from ..io.source import FileSource
+from .importtrace import unwatch_this_thread
+
+READ_BYTES = 1 << 20   # a reader's scratch buffer, where sendfile cannot fill the cache
+
+_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
+_IOPRIO_WHO_PROCESS, _IOPRIO_CLASS_IDLE, _IOPRIO_CLASS_SHIFT = 1, 3, 13
+
+
+class Piece(NamedTuple):
+    """One unit of a reader's work: ``length`` bytes at ``offset`` of file number ``file`` (a
+    checkpoint file of a prefetch, or a code file of ``code_files.TracedCodeReader``)."""
+    file: int
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def set_idle_io_priority() -> bool:
+    """Put the calling thread's disk reads in the idle I/O class (Linux ``ioprio_set``): the block
+    layer's scheduler (mq-deadline, BFQ) serves them only when nobody else's reads wait, so a
+    prefetch does not slow the imports it overlaps. Best effort: False where unsupported."""
+    import ctypes
+    import platform
+    nr = _SYS_IOPRIO_SET.get(platform.machine())
+    if nr is None or not hasattr(os, "sched_getaffinity"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(nr, _IOPRIO_WHO_PROCESS, threading.get_native_id(),
+                            _IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class Pacer:
+    """Spaces reads so that together they take at most ``rate`` bytes per second, until
+    ``release()``; ``take(n)`` blocks the calling reader until its ``n`` bytes are due."""
+
+    def __init__(self, rate: float | None, clock=time.monotonic) -> None:
+        if rate is not None and (isinstance(rate, bool) or not rate > 0):
+            raise ValueError(f"max_rate must be a positive number of bytes per second, got {rate!r}")
+        self.rate = rate
+        self._clock = clock
+        self._next = clock()
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+        if rate is None:
+            self._released.set()
+
+    def take(self, n: int) -> None:
+        if self._released.is_set():
+            return
+        with self._lock:
+            now = self._clock()
+            start = max(now, self._next)
+            self._next = start + n / self.rate
+        if start > now:
+            self._released.wait(start - now)
+
+    def release(self) -> None:
+        self._released.set()
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+
+def scratch_buffer(nbytes: int = READ_BYTES) -> memoryview:
+    """A writable buffer for the reads ``sendfile`` cannot do: an anonymous mapping, so its pages
+    are only allocated where a read uses them (and no numpy is needed)."""
+    return memoryview(mmap.mmap(-1, nbytes))
+
+
+def advise_all(sources: Iterable[FileSource], advice: str) -> None:
+    """``posix_fadvise(advice)`` on the whole of every source (a hint: where it is refused,
+    nothing changes)."""
+    for src in sources:
+        advise(src.fd, advice)
+
+
+def _never() -> bool:
+    return False
+
+
+def read_range(src: FileSource, offset: int, length: int, scratch: memoryview, *,
+               step: Callable[[], int] | None = None, pacer: Pacer | None = None,
+               cancelled: Callable[[], bool] = _never, copy: Callable[[], bool] = _never,
+               hint: bool = False, hint_only: bool = False, best_effort: bool = False,
+               count: bool = True) -> bool:
+    """Bring ``[offset, offset + length)`` of ``src`` into the page cache, one
+    ``src.fill_cache`` call per ``step()`` bytes (asked again before each step: it grows once a
+    load begins; None: the whole range at once), each step first cleared by ``pacer``.
+
+    ``cancelled()`` is asked before the hint and before every step: True stops the range and
+    the call returns False (a reader finishes at most the step it is in). ``copy()``: this step
+    through ``scratch`` instead of ``sendfile``. ``hint``: ``posix_fadvise(WILLNEED)`` for the
+    whole range first (the kernel queues all of it at once); ``hint_only``: that and nothing
+    more. ``best_effort``: a failed or short read ends the range quietly instead of raising
+    (OSError, FormatError "file-truncated"). ``count=False``: not a checkpoint's bytes, not
+    counted as read (``FileSource.fill_cache``). Returns True when the range was done (or given
+    up on, ``best_effort``)."""
+    if cancelled():
+        return False
+    if hint or hint_only:
+        advise(src.fd, "POSIX_FADV_WILLNEED", offset, length)
+    if hint_only:
+        return True
+    end = offset + length
+    try:
+        while offset < end:
+            if cancelled():
+                return False
+            n = end - offset if step is None else min(step(), end - offset)
+            if pacer is not None:
+                pacer.take(n)
+            src.fill_cache(offset, n, scratch, copy=copy(), count=count)
+            offset += n
+    except (OSError, FormatError):
+        if not best_effort:
+            raise
+    return True
+
+
+class PieceReaders:
+    """What a prefetch's reader threads do with its checkpoint's pieces: the ``setup`` and
+    ``work`` of a ``pipeline.Job``, in this process or in the helper process.
+
+    Until ``go_fast()`` (a load of the files began) the readers take ``step``-byte steps, paced
+    at ``max_rate``; with ``no_readahead`` their files are advised ``POSIX_FADV_RANDOM`` (the
+    kernel then queues about one step per reader instead of twice ``read_ahead_kb``), and with
+    ``copy`` each step is read through a buffer instead of ``sendfile``. After ``go_fast()``:
+    ``fast_step``-byte steps, no pacing, the kernel's readahead. ``idle``: each reader's I/O in
+    the idle class (``set_idle_io_priority``). ``hint``: a ``WILLNEED`` hint per piece;
+    ``hint_only``: nothing more (``prefetch(method="advise")``). ``cancelled()``: the job's."""
+
+    def __init__(self, sources: Mapping[int, FileSource], cancelled: Callable[[], bool], *, step: int,
+                 fast_step: int, idle: bool, hint: bool, hint_only: bool = False, no_readahead: bool = False,
+                 copy: bool = False, max_rate: float | None = None) -> None:
+        self.sources = sources
+        self.pacer = Pacer(max_rate)
+        self._cancelled = cancelled
+        self._step, self._fast_step = step, fast_step
+        self._idle, self._hint, self._hint_only = idle, hint, hint_only
+        self._no_readahead, self._copy = no_readahead, copy
+        self._fast = False
+        self._scratch: dict[int, memoryview] = {}
+
+    def start(self) -> None:
+        """Before the readers start: the files' readahead off (``no_readahead``)."""
+        if self._no_readahead and not self._fast:
+            advise_all(self.sources.values(), "POSIX_FADV_RANDOM")
+
+    def step(self) -> int:
+        """Bytes per ``fill_cache`` call now."""
+        return self._fast_step if self._fast else self._step
+
+    def copying(self) -> bool:
+        return self._copy and not self._fast
+
+    def go_fast(self) -> None:
+        """A load of the files began: big steps, no pacing, readahead back on."""
+        self._fast = True
+        self.pacer.release()
+        if self._no_readahead:
+            advise_all(self.sources.values(), "POSIX_FADV_NORMAL")
+
+    def setup(self, worker: int) -> None:
+        unwatch_this_thread()   # a reader's opens are not the process's (import traces)
+        if self._idle:
+            set_idle_io_priority()
+        if not self._hint_only:
+            self._scratch[worker] = scratch_buffer(max(READ_BYTES, self._step) if self._copy else READ_BYTES)
+
+    def work(self, worker: int, piece: Piece) -> None:
+        """Read one piece; Cancelled when the job was cancelled first (the piece did not land)."""
+        if not read_range(self.sources[piece.file], piece.offset, piece.length, self._scratch.get(worker),
+                          step=self.step, pacer=self.pacer, cancelled=self._cancelled, copy=self.copying,
+                          hint=self._hint, hint_only=self._hint_only):
+            raise Cancelled("cancelled")

@@ -49,8 +49,9 @@ def test_unknown_attribute_is_an_attribute_error():
 
 
 def test_a_load_imports_neither_prefetch_nor_checksum_nor_save_code():
-    """A plain load's first call pays only for the load path: the prefetch machinery (warm,
-    codewarm, importtrace), checksums and the saver are imported by those who use them."""
+    """A plain load's first call pays only for the load path: the startup machinery (prefetch,
+    its readers and helper process, code files, import traces), checksums and the saver are
+    imported by those who use them."""
     out = _run("import json, os, struct, sys, tempfile\n"
                "import numpy as np, foxhunt_stream as fs\n"
                "p = os.path.join(tempfile.mkdtemp(), 'a.safetensors')\n"
@@ -58,6 +59,7 @@ def test_a_load_imports_neither_prefetch_nor_checksum_nor_save_code():
                "open(p, 'wb').write(struct.pack('<Q', len(h)) + h + np.arange(2, dtype=np.float32).tobytes())\n"
                "assert fs.load_file(p)['x'].tolist() == [0.0, 1.0]\n"
                "print(sorted(m for m in ('foxhunt_stream.startup.prefetch', 'foxhunt_stream.startup.code_files',"
-               " 'foxhunt_stream.startup.importtrace', 'foxhunt_stream.integrity.verifier',"
+               " 'foxhunt_stream.startup.readers', 'foxhunt_stream.startup.helper_process',"
+               " 'foxhunt_stream.startup.importtrace', 'foxhunt_stream.integrity.verifier', 'foxhunt_stream.integrity.checksums',"
                " 'foxhunt_stream.engine.saver') if m in sys.modules))")
     assert out == "[]"

@@ -45,7 +45,7 @@ def _backend_for(path: str, s: _settings.Settings) -> str:
     if s.direct_io == "on":
         return "direct"
     # a file that a prefetch is filling into the page cache is read through it, not around it
-    if s.direct_io == "auto" and not pagecache.warming(path) and pagecache.resident_fraction(path) < 0.5:
+    if s.direct_io == "auto" and not pagecache.prefetching(path) and pagecache.resident_fraction(path) < 0.5:
         return "direct"
     return s.backend
 

@@ -5,7 +5,7 @@ mostly cached through the cache, and a prefetch skips files already in memory);
 ``sendfile_to_null`` pulls a byte range into the cache with no copy to user space (prefetch
 readers); ``advise`` passes ``posix_fadvise`` hints. The registry at the end is how a running
 prefetch and a starting load learn of each other without importing each other: a prefetch
-registers itself, the loader asks ``warming(path)`` (read through the cache, not around it) and
+registers itself, the loader asks ``prefetching(path)`` (read through the cache, not around it) and
 says ``loading(path)`` (the prefetch drops its pacing: the load now waits for those bytes).
 """
 
@@ -143,7 +143,7 @@ def resident_fraction(path: str | os.PathLike, samples: int = 64) -> float:
 
 # ---------------------------------------------------------------- prefetches in flight
 
-class Warmer(Protocol):
+class Prefetcher(Protocol):
     """What the registry needs of a running prefetch."""
 
     def covers(self, real_path: str) -> bool: ...
@@ -151,30 +151,30 @@ class Warmer(Protocol):
     def unthrottle(self) -> None: ...
 
 
-_warmers: "weakref.WeakSet[Warmer]" = weakref.WeakSet()
-_warmers_lock = threading.Lock()
+_prefetchers: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
+_prefetchers_lock = threading.Lock()
 
 
-def register_warmer(warmer: Warmer) -> None:
+def register_prefetch(prefetcher: Prefetcher) -> None:
     """A prefetch announces itself (held weakly: a forgotten handle drops out by itself)."""
-    with _warmers_lock:
-        _warmers.add(warmer)
+    with _prefetchers_lock:
+        _prefetchers.add(prefetcher)
 
 
-def _warmers_of(path: str | os.PathLike) -> list[Warmer]:
+def _prefetchers_of(path: str | os.PathLike) -> list[Prefetcher]:
     real = os.path.realpath(path)
-    with _warmers_lock:
-        live = list(_warmers)
+    with _prefetchers_lock:
+        live = list(_prefetchers)
     return [w for w in live if w.covers(real)]
 
 
-def warming(path: str | os.PathLike) -> bool:
+def prefetching(path: str | os.PathLike) -> bool:
     """Whether a prefetch of ``path`` is still running in this process."""
-    return any(not w.done() for w in _warmers_of(path))
+    return any(not w.done() for w in _prefetchers_of(path))
 
 
 def loading(path: str | os.PathLike) -> None:
-    """A load of ``path`` starts: the prefetches warming it drop their pacing (it left the disk
+    """A load of ``path`` starts: the prefetches reading it drop their pacing (it left the disk
     to the imports; now the load waits for these bytes)."""
-    for w in _warmers_of(path):
+    for w in _prefetchers_of(path):
         w.unthrottle()

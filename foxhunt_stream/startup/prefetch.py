@@ -162,7 +162,7 @@ class PrefetchHandle:
         if not pieces:
             self._closer()
             self.finished = self.started
-        pagecache.register_warmer(self)   # a load of these files reads through the cache, and unpaces us
+        pagecache.register_prefetch(self)   # a load of these files reads through the cache, and unpaces us
         self._records_thread: threading.Thread | None = None    # prefetch_record_metadata here, not waited for
         if code is None:
             self._start_job()

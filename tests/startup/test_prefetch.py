@@ -116,10 +116,10 @@ def test_prefetch_wait_name_blocks_only_on_that_tensor(checkpoint):
     h.wait("t0")
     h.wait("t2")
     assert not h.done()
-    assert pagecache.warming(checkpoint)
+    assert pagecache.prefetching(checkpoint)
     gate.set()
     h.wait()
-    assert log and all(log) and not pagecache.warming(checkpoint)
+    assert log and all(log) and not pagecache.prefetching(checkpoint)
 
 
 def test_prefetch_error_propagates(checkpoint, foxhunt_threads):

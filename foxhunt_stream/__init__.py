@@ -19,17 +19,17 @@ __version__ = "0.1.0"
 # milliseconds and imports neither numpy nor torch nor cupy; the first ``fs.load_file`` pays
 # for the modules it needs. Name -> the module that defines it.
 _LAZY = {
-    "read_header": "io.checkpoint", "DistributedLoadError": "distributed.load", "VerifyReport": "integrity.verifier",
-    "verify": "integrity.verifier", "LoadHandle": "engine.loader", "LoadIntoWarning": "engine.loader",
-    "load_file": "engine.loader", "load_into": "engine.loader", "safe_open": "engine.loader",
+    "read_header": "io.checkpoint", "DistributedLoadError": "distributed.load", "VerifyReport": "integrity.verify",
+    "verify": "integrity.verify", "LoadHandle": "engine.handle", "LoadIntoWarning": "engine.loader",
+    "load_file": "api", "load_into": "engine.loader", "safe_open": "engine.safe_open",
     "PrefetchHandle": "startup.prefetch", "prefetch": "startup.prefetch", "warmup": "startup.prefetch",
     "WarmupHandle": "startup.prefetch", "record_imports": "startup.importtrace", "save_file": "engine.saver",
-    "Shard": "format.tp", "clean_stale_temps": "io.sink",
+    "Shard": "format.tp", "TPSlice": "format.tp", "clean_stale_temps": "io.sink",
 }
 
 __all__ = [
     "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
-    "safe_open", "load_file", "load_into", "save_file", "Shard", "LoadHandle", "read_header", "clean_stale_temps",
+    "safe_open", "load_file", "load_into", "save_file", "TPSlice", "Shard", "LoadHandle", "read_header", "clean_stale_temps",
     "settings", "__version__", "prefetch", "PrefetchHandle", "warmup", "ChecksumError", "verify", "VerifyReport",
     "DistributedLoadError", "WarmupHandle", "record_imports",
 ]
@@ -38,12 +38,15 @@ if TYPE_CHECKING:   # what static tools see; at run time these load lazily
     from . import settings
     from .io.checkpoint import read_header
     from .distributed.load import DistributedLoadError
-    from .integrity.verifier import VerifyReport, verify
-    from .engine.loader import LoadHandle, LoadIntoWarning, load_file, load_into, safe_open
+    from .api import load_file
+    from .engine.handle import LoadHandle
+    from .engine.loader import LoadIntoWarning, load_into
+    from .engine.safe_open import safe_open
+    from .integrity.verify import VerifyReport, verify
     from .startup.importtrace import record_imports
     from .startup.prefetch import PrefetchHandle, WarmupHandle, prefetch, warmup
     from .engine.saver import save_file
-    from .format.tp import Shard
+    from .format.tp import Shard, TPSlice
     from .io.sink import clean_stale_temps
 
 

@@ -31,7 +31,7 @@ def test_every_public_name_resolves():
         value = getattr(fs, name)
         assert value is not None, name
     assert callable(fs.prefetch) and callable(fs.load_file) and fs.settings.merge   # functions, not modules
-    from foxhunt_stream.engine.loader import load_file
+    from foxhunt_stream.api import load_file
     assert fs.load_file is load_file
     assert set(fs.__all__) <= set(dir(fs))
 

@@ -96,11 +96,11 @@ def test_a_background_load_leaves_the_caller_cpus(monkeypatch, tmp_path):
     path = tmp_path / "many.safetensors"
     stn.save_file({f"t{i}": np.full(1024, i, np.float32) for i in range(40)}, str(path))
     handle = fs.load_file(path, background=True, chunk_bytes=4096)
-    assert len(handle._landing.job._threads) == 12
+    assert handle.workers == 12
     assert all(np.array_equal(a, np.full(1024, int(n[1:]), np.float32)) for n, a in handle.result().items())
     with settings.override(threads=16):
         handle = fs.load_file(path, background=True, chunk_bytes=4096)
-    assert len(handle._landing.job._threads) == 16 and len(handle.result()) == 40
+    assert handle.workers == 16 and len(handle.result()) == 40
     monkeypatch.setenv("FOXHUNT_THREADS", "16")
     assert fresh(settings.merge, background=True).threads == 16
 

@@ -171,7 +171,7 @@ def cmd_verify(args) -> int:
         print(f"OK {args.source}: {len(ck.paths)} file(s), {len(ck.names):,} tensors, {fmt_bytes(total)}; "
               f"checked: {checks} (no data read)")
         return EXIT_OK
-    from ..integrity.verifier import verify
+    from ..integrity.verify import verify
     r = verify(args.source, require_checksums=args.require_checksums)   # raises the first problem
     if r.checked:
         digests = f"{r.checked:,} of {r.tensors:,} tensors match their {'/'.join(r.algorithms)} digests"

@@ -1,8 +1,7 @@
-"""Devices: parse a device argument, and the CUDA pieces the pipeline needs (``cudart``).
+"""Devices: parse a device argument, check that a GPU exists, and one stream per worker per GPU.
 
-The CUDA runtime (cupy's wrapper of it) is imported lazily, so ``import foxhunt_stream`` works
-on a machine without it. Per device and process we keep: the pinned staging pool and one
-non-blocking stream per worker.
+The CUDA runtime (``runtime``) is imported lazily, so ``import foxhunt_stream`` works on a
+machine without it.
 """
 
 from __future__ import annotations
@@ -10,9 +9,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from . import runtime as cudart
 from ..errors import DeviceError
-from ..engine.staging import StagingPool
+from . import runtime as cudart
+from .runtime import cupy  # noqa: F401  (the cupy module, or a DeviceError with the install hint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,16 +56,6 @@ def parse_device(device) -> Device:
     raise DeviceError(f"invalid device {device!r}; use 'cpu', 'cuda', 'cuda:N' or an int")
 
 
-def cupy():
-    """The cupy module, or a DeviceError saying how to get it."""
-    try:
-        import cupy as cp
-    except ImportError as e:
-        raise DeviceError("GPU loading needs cupy: pip install 'foxhunt-stream[cuda12]' or "
-                          f"'foxhunt-stream[cuda13]' ({e})") from None
-    return cp
-
-
 def check_device(device: Device) -> None:
     """Raise DeviceError unless ``device`` is a CUDA device that exists."""
     if not device.is_cuda:
@@ -98,15 +87,14 @@ def cuda_available() -> bool:
         return False
 
 
-# ---------------------------------------------------------------- per-device resources
+# ---------------------------------------------------------------- per-device streams
 
 class CudaContext:
-    """Streams and pinned staging of one device, created on first use, reused after."""
+    """The non-blocking streams of one device (one per worker), created on first use, reused after."""
 
     def __init__(self, index: int) -> None:
         self.index = index
         self._streams: list = []
-        self._pool: StagingPool | None = None
         self._lock = threading.Lock()
 
     def stream(self, worker: int) -> cudart.Stream:
@@ -115,17 +103,6 @@ class CudaContext:
                 with cudart.on_device(self.index):
                     self._streams.append(cudart.Stream())
             return self._streams[worker]
-
-    def pool(self, slot_bytes: int, n_slots: int) -> StagingPool:
-        with self._lock:
-            p = self._pool
-            if p is None or p.slot_bytes != slot_bytes or p.n_slots != n_slots:
-                def allocate(nbytes: int):
-                    with cudart.on_device(self.index):
-                        return cudart.pinned(nbytes)
-
-                p = self._pool = StagingPool(slot_bytes, n_slots, allocate, f"pinned:{self.index}")
-            return p
 
     def synchronize(self) -> None:
         for s in list(self._streams):
@@ -142,10 +119,3 @@ def context(index: int) -> CudaContext:
         if ctx is None:
             ctx = _contexts[index] = CudaContext(index)
         return ctx
-
-
-def release_staging() -> None:
-    """Free every pinned staging pool (they are otherwise kept for the next load)."""
-    with _ctx_lock:
-        for ctx in _contexts.values():
-            ctx._pool = None

@@ -24,12 +24,24 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ..errors import DeviceError
+
 STREAM_NON_BLOCKING = 0x01     # cudaStreamNonBlocking: no implicit sync with the legacy default stream
 EVENT_DISABLE_TIMING = 0x02    # cudaEventDisableTiming: the cheapest event to record and wait for
 HOST_ALLOC_PORTABLE = 0x01     # cudaHostAllocPortable: pinned for every context, like cupy's pools
 H2D, D2H = 1, 2                # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 
 _rt: Any = None
+
+
+def cupy():
+    """The cupy module, or a DeviceError saying how to get it."""
+    try:
+        import cupy as cp
+    except ImportError as e:
+        raise DeviceError("GPU loading needs cupy: pip install 'foxhunt-stream[cuda12]' or "
+                          f"'foxhunt-stream[cuda13]' ({e})") from None
+    return cp
 
 
 def runtime():
@@ -41,8 +53,7 @@ def runtime():
                 raise ImportError("FOXHUNT_CUDART=cupy")
             from cupy_backends.cuda.api import runtime as rt
         except Exception:   # absent, or a layout whose runtime needs cupy's own start-up first
-            from .devices import cupy  # raises DeviceError with the install hint if cupy is absent
-            rt = cupy().cuda.runtime
+            rt = cupy().cuda.runtime   # DeviceError with the install hint if cupy is absent
         _rt = rt
     return _rt
 
@@ -110,7 +121,7 @@ class PinnedBuffer:
     def array(self) -> np.ndarray:
         """A uint8 view of the whole buffer that keeps the buffer alive."""
         view = (ctypes.c_ubyte * self.nbytes).from_address(self.ptr)
-        view._owner = self   # numpy's base is the ctypes array, which holds this
+        view.owner = self   # numpy's base is the ctypes array, which holds this
         return np.frombuffer(view, np.uint8)
 
     def __del__(self) -> None:

@@ -8,7 +8,7 @@ the framework name; they only see a ``Buffer``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,6 +26,18 @@ class Buffer:
     ptr: int = 0                      # device address (cuda)
 
 
+class Framework(Protocol):
+    """What the pipeline asks of an array library (numpy, cupy, torch)."""
+    name: str
+
+    def empty(self, dtype: DType, shape, device: Device, tensor: str = "") -> Any: ...
+    def buffer(self, arr) -> Buffer: ...
+    def settle(self, device: Device) -> None: ...
+    def owns(self, x) -> bool: ...
+    def describe(self, arr) -> tuple[DType | None, tuple[int, ...], Device]: ...
+    def array_dtype(self, dtype: DType) -> Any: ...
+
+
 def _host_bytes(arr: np.ndarray) -> np.ndarray:
     if not arr.flags.c_contiguous:
         raise ValueError("destination array must be C-contiguous")
@@ -41,6 +53,10 @@ class NumpyFramework:
         if device.is_cuda:
             raise ValueError("framework 'numpy' holds host arrays only; use device='cpu' or framework='cupy'/'pt'")
         return np.empty(host_shape(dtype, tuple(shape)), dtype.numpy)
+
+    def array_dtype(self, dtype: DType) -> np.dtype:
+        """The element type of the arrays it makes for ``dtype`` (sub-byte types: raw uint8)."""
+        return np.dtype(np.uint8) if dtype.sub_byte else np.dtype(dtype.numpy)
 
     def settle(self, device: Device) -> None:
         """Host arrays: nothing is queued."""
@@ -64,7 +80,7 @@ class CupyFramework:
 
     _dtypes: dict = {}
 
-    def _dtype(self, dtype: DType):
+    def array_dtype(self, dtype: DType):
         """cupy's own type where it has one; bf16/fp8 fall back to same-width unsigned views."""
         got = self._dtypes.get(dtype.name)
         if got is None:
@@ -87,7 +103,7 @@ class CupyFramework:
             return NumpyFramework().empty(dtype, shape, device)
         with cp.cuda.Device(device.index):
             try:
-                return cp.empty(shp, self._dtype(dtype))
+                return cp.empty(shp, self.array_dtype(dtype))
             except cp.cuda.memory.OutOfMemoryError:
                 raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shp)) * max(1, dtype.itemsize)) from None
 
@@ -121,6 +137,10 @@ class TorchFramework:
     def _torch(self):
         import torch
         return torch
+
+    def array_dtype(self, dtype: DType):
+        """The torch dtype of ``dtype`` (sub-byte types and types torch lacks: uint8)."""
+        return self.torch_dtype(dtype)
 
     def torch_dtype(self, dtype: DType):
         torch = self._torch()
@@ -187,10 +207,6 @@ def framework_of(x):
                     "expected a numpy, cupy or torch array")
 
 
-def expected_host_dtype(framework, dtype: DType) -> Any:
+def expected_host_dtype(framework: Framework, dtype: DType) -> Any:
     """The element type a framework uses for ``dtype`` (for load_into checks)."""
-    if isinstance(framework, TorchFramework):
-        return framework.torch_dtype(dtype)
-    if isinstance(framework, CupyFramework):
-        return framework._dtype(dtype)
-    return np.dtype(dtype.numpy)
+    return framework.array_dtype(dtype)

@@ -105,6 +105,22 @@ class Job:
         return self._cancel.is_set()
 
     @property
+    def workers(self) -> int:
+        """How many worker threads this job runs (at most one per item)."""
+        return len(self._threads)
+
+    @property
+    def stopping(self) -> threading.Event:
+        """Set once the job is cancelled or failed, for side work that runs beside the workers
+        (the allocating thread) and must stop with them."""
+        return self._cancel
+
+    def finished(self, timeout: float | None = None) -> bool:
+        """Block up to ``timeout`` seconds for every worker to stop; True if they have. Unlike
+        ``wait`` it raises nothing and leaves a running job running."""
+        return self._done.wait(timeout)
+
+    @property
     def error(self) -> BaseException | None:
         return self._error
 

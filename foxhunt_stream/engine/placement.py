@@ -1,9 +1,12 @@
-"""Placement: which device each tensor lands on, for ``load_file(..., device_map={...})``.
+"""Placement: where a load's tensors land and as which arrays, decided once at the front door.
 
-Pure functions, no I/O: ``resolve_device_map`` turns ``{name or prefix: device}`` into one
-``Device`` per selected tensor (every problem is found before a byte is read), and
-``interleave_by_device`` reorders a plan's chunks so that the copy links of several GPUs work at
-the same time instead of one after the other (the plan keeps file order within each device).
+``placement(device, framework, device_map)`` parses and checks the arguments before any file is
+opened and returns a ``Placement``, the value handed down the load: ``for_names`` gives the
+device of each selected tensor and the framework that makes their arrays. ``resolve_device_map``
+turns ``{name or prefix: device}`` into one ``Device`` per tensor (every problem is found before
+a byte is read), and ``interleave_by_device`` reorders a plan's chunks so that the copy links of
+several GPUs work at the same time instead of one after the other (the plan keeps file order
+within each device).
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from ..cuda.devices import Device, DeviceError, parse_device
+from ..cuda.devices import CPU, Device, DeviceError, check_device, parse_device
 from ..format.plan import LoadPlan
+from .frameworks import Framework, get_framework
 
 DeviceMap = Mapping[str, Any]
 
@@ -81,3 +85,34 @@ def interleave_by_device(plan: LoadPlan, dest_devices: Sequence[Device]) -> Load
         done[dev] += c.run.nbytes
     keyed.sort(key=lambda k: (k[0], k[1]))
     return dataclasses.replace(plan, chunks=tuple(c for _, _, c in keyed))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a load's tensors land: one ``device`` for all, or a parsed ``device_map``; and the
+    ``framework`` name asked for (None: numpy on the host, cupy on a GPU)."""
+    device: Device | None
+    device_map: Mapping[str, Device] | None = None
+    framework: str | None = None
+
+    def for_names(self, names: Sequence[str]) -> tuple[Device | list[Device], Framework]:
+        """The device of the selected tensors (one for all, or one per name with a device map,
+        each checked to exist) and the framework that makes their arrays."""
+        if self.device_map is None:
+            return self.device, get_framework(self.framework, self.device)
+        devices = resolve_device_map(names, self.device_map)
+        for d in sorted(set(devices), key=str):
+            check_device(d)
+        return devices, get_framework(self.framework, next((d for d in devices if d.is_cuda), CPU))
+
+
+def placement(device: Any = "cpu", framework: str | None = None, device_map: DeviceMap | None = None) -> Placement:
+    """Parse and check a load's placement arguments, before any file is opened."""
+    if device_map is None:
+        dev = parse_device(device)
+        check_device(dev)
+        get_framework(framework, dev)   # an unknown framework name fails here
+        return Placement(dev, None, framework)
+    if device is not None and not (isinstance(device, str) and device.strip().lower() == "cpu"):
+        raise ValueError(f"load_file: pass either device ({device!r}) or device_map, not both")
+    return Placement(None, parse_device_map(device_map), framework)

@@ -12,7 +12,7 @@ import contextlib
 import os
 
 from ..io.checkpoint import INDEX_NAME, open_checkpoint
-from .loader import safe_open
+from .safe_open import safe_open
 from .saver import RawTensor, save_sharded
 
 __all__ = ["reshard", "save_sharded"]   # save_sharded is the saver's; importable from here too

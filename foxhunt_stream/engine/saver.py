@@ -26,7 +26,7 @@ from ..cuda.devices import Device
 from ..format.dtypes import DType, from_numpy, from_torch
 from ..format.dtypes import nbytes as _dtype_nbytes
 from ..format.header import layout, serialize_header
-from ..integrity.verifier import SaveDigests, strip
+from ..integrity.checksums import SaveDigests, strip
 from .pipeline import Job
 from ..format.plan import plan_save
 from .progress import NO_PROGRESS, Progress, progress_bar

@@ -138,3 +138,22 @@ def host_pool(slot_bytes: int, n_slots: int) -> StagingPool:
 
 def pool_cache() -> dict:
     return _host_pools
+
+
+_pinned_pools: dict[int, StagingPool] = {}
+
+
+def pinned_pool(device_index: int, slot_bytes: int, n_slots: int) -> StagingPool:
+    """The process-wide pool of pinned slots of one GPU, shared by its loads and saves; a new size
+    (a settings change) replaces it (slots of the old pool go back to it and are freed with it)."""
+    from ..cuda import runtime
+
+    with _lock:
+        pool = _pinned_pools.get(device_index)
+        if pool is None or pool.slot_bytes != slot_bytes or pool.n_slots != n_slots:
+            def allocate(nbytes: int):
+                with runtime.on_device(device_index):
+                    return runtime.pinned(nbytes)
+
+            pool = _pinned_pools[device_index] = StagingPool(slot_bytes, n_slots, allocate, f"pinned:{device_index}")
+        return pool

@@ -21,7 +21,7 @@ from ..cuda.devices import context, use_device
 from .frameworks import Buffer
 from ..format.plan import Run
 from ..io.source import ALIGN, FileSource
-from .staging import StagingPool, host_pool
+from .staging import StagingPool, host_pool, pinned_pool
 
 
 H2D = cudart.H2D
@@ -126,7 +126,7 @@ class CudaTarget:
         self._rings: dict[int, _Ring] = {}
 
     def pool(self) -> StagingPool:
-        return self.ctx.pool(self.slot_bytes, self.n_slots)
+        return pinned_pool(self.index, self.slot_bytes, self.n_slots)
 
     def _ring(self, worker: int) -> _Ring:
         """This worker's ring: the first slot waits for one to come free, the rest are taken only

@@ -1,7 +1,7 @@
-"""Tensor-parallel shards: which part of each tensor one rank loads. Pure functions, no I/O.
+"""Tensor-parallel slices: which part of each tensor one rank loads. Pure functions, no I/O.
 
-``Shard(rank, world_size, dim)`` turns into one basic index per tensor (``x[:, a:b]``), so a
-sharded load is an ordinary sliced load: it goes through ``plan.slice_runs`` like ``get_slice``
+``TPSlice(rank, world_size, dim)`` turns into one basic index per tensor (``x[:, a:b]``), so a
+rank's load is an ordinary sliced load: it goes through ``plan.slice_runs`` like ``get_slice``
 does, reads only the covered rows (dim 0) or row span (later dims, landed as one 2-D copy per
 chunk), and works the same on every target.
 
@@ -38,7 +38,7 @@ def _dim_value(value, where: str) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Shard:
+class TPSlice:
     """Rank ``rank`` of ``world_size`` loads its slice of every tensor along ``dim``.
 
     ``dim`` is an int (every tensor along that dim; negative counts from the end), ``None``
@@ -55,19 +55,19 @@ class Shard:
         for field_name in ("rank", "world_size"):
             v = getattr(self, field_name)
             if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"Shard.{field_name} must be an int, got {v!r}")
+                raise TypeError(f"TPSlice.{field_name} must be an int, got {v!r}")
         if self.world_size < 1:
-            raise ValueError(f"Shard.world_size must be at least 1, got {self.world_size}")
+            raise ValueError(f"TPSlice.world_size must be at least 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"Shard.rank must be in [0, {self.world_size}), got {self.rank}")
+            raise ValueError(f"TPSlice.rank must be in [0, {self.world_size}), got {self.rank}")
         d = self.dim
         if isinstance(d, Mapping):
             for pattern, v in d.items():
                 if not isinstance(pattern, str):
-                    raise TypeError(f"Shard.dim: patterns must be strings, got {pattern!r}")
-                _dim_value(v, f"Shard.dim[{pattern!r}]")
+                    raise TypeError(f"TPSlice.dim: patterns must be strings, got {pattern!r}")
+                _dim_value(v, f"TPSlice.dim[{pattern!r}]")
         elif not callable(d):
-            _dim_value(d, "Shard.dim")
+            _dim_value(d, "TPSlice.dim")
 
     def dim_for(self, name: str) -> int | None:
         """The dim tensor ``name`` is split along, or None to load it whole."""
@@ -75,12 +75,15 @@ class Shard:
         if isinstance(d, Mapping):
             for pattern, v in d.items():
                 if fnmatch.fnmatchcase(name, pattern):
-                    return _dim_value(v, f"Shard.dim[{pattern!r}]")
-            raise ValueError(f"tensor {name!r}: no pattern of Shard.dim matches it "
+                    return _dim_value(v, f"TPSlice.dim[{pattern!r}]")
+            raise ValueError(f"tensor {name!r}: no pattern of TPSlice.dim matches it "
                              f"({list(d)[:8]}); add '*': None to replicate the rest")
         if callable(d):
-            return _dim_value(d(name), f"tensor {name!r}: Shard.dim({name!r})")
-        return _dim_value(d, "Shard.dim")
+            return _dim_value(d(name), f"tensor {name!r}: TPSlice.dim({name!r})")
+        return _dim_value(d, "TPSlice.dim")
+
+
+Shard = TPSlice   # the earlier name, kept: "shard" also means a file of a sharded checkpoint
 
 
 def split_bounds(size: int, parts: int, part: int) -> tuple[int, int]:
@@ -90,27 +93,27 @@ def split_bounds(size: int, parts: int, part: int) -> tuple[int, int]:
     return start, start + base + (1 if part < extra else 0)
 
 
-def shard_index(shape: Sequence[int], shard: Shard, name: str = "") -> Index | None:
+def shard_index(shape: Sequence[int], shard: TPSlice, name: str = "") -> Index | None:
     """The basic index selecting this rank's part of a tensor; None when it is replicated.
 
     ``(slice(None),) * d + (slice(a, b),)``: everything before ``d`` whole, dims after it
     implied whole, so the planner sees exactly what ``x[:, a:b]`` would give it.
     """
-    if not isinstance(shard, Shard):
-        raise TypeError(f"shard must be a foxhunt_stream.Shard, got {type(shard).__name__}")
+    if not isinstance(shard, TPSlice):
+        raise TypeError(f"shard must be a foxhunt_stream.TPSlice, got {type(shard).__name__}")
     d = shard.dim_for(name)
     if d is None:
         return None
     ndim = len(shape)
     if not -ndim <= d < ndim:
         raise ValueError(f"tensor {name!r} has shape {list(shape)} ({ndim} dims): cannot shard it along dim {d}; "
-                         "map it to None in Shard.dim to replicate it")
+                         "map it to None in TPSlice.dim to replicate it")
     d %= ndim
     a, b = split_bounds(shape[d], shard.world_size, shard.rank)
     return (slice(None),) * d + (slice(a, b),)
 
 
-def shard_shape(shape: Sequence[int], shard: Shard, name: str = "") -> tuple[int, ...]:
+def shard_shape(shape: Sequence[int], shard: TPSlice, name: str = "") -> tuple[int, ...]:
     """The shape of this rank's part of a tensor of ``shape``."""
     index = shard_index(shape, shard, name)
     if index is None:
@@ -120,7 +123,7 @@ def shard_shape(shape: Sequence[int], shard: Shard, name: str = "") -> tuple[int
     return tuple(shape[:d]) + (b - a,) + tuple(shape[d + 1:])
 
 
-def indices_for(ck: "Checkpoint", names: Iterable[str], shard: Shard | None) -> dict[str, Index | None] | None:
+def indices_for(ck: "Checkpoint", names: Iterable[str], shard: TPSlice | None) -> dict[str, Index | None] | None:
     """``{name: index}`` for a load's selections (None when not sharding)."""
     if shard is None:
         return None

@@ -94,7 +94,7 @@ SCRIPT = textwrap.dedent("""
     # checksums are checked on the way, every slot comes back
     import foxhunt_stream as fs
     from foxhunt_stream import settings
-    from foxhunt_stream.engine import loader
+    from foxhunt_stream.engine import destinations, inflight, loader, staging
     from foxhunt_stream.io.checkpoint import open_checkpoint
     rng = np.random.default_rng(1)
     tensors = {f"t{i}": rng.standard_normal(3000 + 977 * i).astype(np.float32) for i in range(6)}
@@ -104,16 +104,16 @@ SCRIPT = textwrap.dedent("""
     names = sorted(tensors)
     for verify in (False, True):
         s = settings.merge(chunk_bytes=4096, staging_bytes=3 * 4096, threads=8)   # 3 slots, 8 threads asked
-        plan_, s2, verifier = loader._plan(ck, loader._selections(ck, names), s, verify)
+        plan_, s2, verifier = loader.plan_selections(ck, loader.selections(ck, names), s, verify)
         arrays = [np.zeros(tensors[n].shape, np.float32) for n in names]
         bufs = [Buffer(device.Device("cuda", 0), a.nbytes, None, a.ctypes.data) for a in arrays]
         sources = loader.open_sources(ck, s2)
-        landing = loader.Landing(plan_, sources, loader.Destinations.fixed(bufs, arrays), s2, verifier=verifier)
+        landing = inflight.LoadInFlight(plan_, sources, destinations.Destinations.fixed(bufs, arrays), s2, check=verifier)
         landing.finish()
-        loader._close_all(sources)
-        assert len(landing.job._threads) == 3, len(landing.job._threads)
+        loader.close_all(sources)
+        assert landing.job.workers == 3, landing.job.workers
         assert all(np.array_equal(a, tensors[n]) for a, n in zip(arrays, names))
-        pool = device.context(0)._pool
+        pool = staging.pinned_pool(0, s2.chunk_bytes + 2 * 4096, s2.n_slots)
         assert pool.free_count() == pool.n_slots
     print("ok")
 """)

@@ -1,4 +1,4 @@
-"""Destinations are allocated ahead of the workers on one thread (loader.Destinations.allocate_ahead):
+"""Destinations are allocated ahead of the workers on one thread (destinations.Destinations.allocate_ahead):
 each exactly once, in the order the pipeline reaches them, and a failure there still surfaces from
 the load naming the tensor, with nothing returned and nothing hung."""
 
@@ -78,7 +78,7 @@ def test_workers_held_back_start_when_the_allocator_is_done(ckpt, monkeypatch):
     """While the allocating thread runs, the last workers wait (leaving it a CPU); they start as
     soon as it finishes, and the load lands everything."""
     p, tensors = ckpt
-    from foxhunt_stream.engine import loader
+    from foxhunt_stream.engine import inflight
     events: list[tuple[str, str, float]] = []
     lock = threading.Lock()
     real_empty = frameworks.NumpyFramework.empty
@@ -97,7 +97,7 @@ def test_workers_held_back_start_when_the_allocator_is_done(ckpt, monkeypatch):
         return real_read(self, out, offset)
     monkeypatch.setattr(frameworks.NumpyFramework, "empty", slow_empty)
     monkeypatch.setattr(source.FileSource, "read_into", noted_read)
-    monkeypatch.setattr(loader, "held_workers", lambda threads: 2)
+    monkeypatch.setattr(inflight, "held_workers", lambda threads: 2)
     out = fs.load_file(p, threads=4, chunk_bytes=4096)
     for k, v in tensors.items():
         np.testing.assert_array_equal(out[k], v)
@@ -112,7 +112,7 @@ def test_workers_held_back_start_when_the_allocator_is_done(ckpt, monkeypatch):
 
 
 def test_held_workers_leave_two_cpus():
-    from foxhunt_stream.engine.loader import held_workers
+    from foxhunt_stream.engine.inflight import held_workers
     assert held_workers(16, cpus=16) == 2
     assert held_workers(14, cpus=16) == 0
     assert held_workers(16, cpus=32) == 0

@@ -436,9 +436,9 @@ def test_shard_errors_name_the_tensor(ckpt):
         fs.load_file(d, shard=fs.Shard(0, 2, 0))
     with pytest.raises(ValueError, match="'scale'.*'\\*': None"):
         fs.load_file(d, shard=fs.Shard(0, 2, {"*.weight": 0, "layers.*": 0, "empty": 0}))
-    with pytest.raises(TypeError, match="foxhunt_stream.Shard"):
+    with pytest.raises(TypeError, match="foxhunt_stream.TPSlice"):
         fs.load_file(d, shard=(0, 2))
-    with pytest.raises(TypeError, match="foxhunt_stream.Shard"):
+    with pytest.raises(TypeError, match="foxhunt_stream.TPSlice"):
         fs.load_into({n: np.zeros_like(v) for n, v in t.items()}, d, shard=(0, 2))
 
 
@@ -488,13 +488,13 @@ def test_last_dim_shard_reads_only_the_covered_row_span_in_chunks(tmp_path, read
 def test_plan_for_a_column_shard_is_2d_runs(ckpt):
     """The shard goes through plan.slice_runs: x[:, a:b] is one 2-D run per chunk."""
     from foxhunt_stream.io.checkpoint import open_checkpoint
-    from foxhunt_stream.engine.loader import _selections
+    from foxhunt_stream.engine.loader import selections
     from foxhunt_stream.format.plan import plan_load
     from foxhunt_stream.format.tp import indices_for
     d, t = ckpt
     ck = open_checkpoint(d)
     names = ["layers.0.o_proj.weight"]
-    plan = plan_load(_selections(ck, names, indices_for(ck, names, fs.Shard(1, 2, 1))), 1 << 20)
+    plan = plan_load(selections(ck, names, indices_for(ck, names, fs.Shard(1, 2, 1))), 1 << 20)
     (c,) = plan.chunks
     assert (c.run.width, c.run.height, c.run.pitch) == (3 * 4, 10, 7 * 4)
 

@@ -18,7 +18,8 @@ import safetensors.numpy as stn
 from hypothesis import given, settings as hsettings, strategies as st
 
 import foxhunt_stream as fs
-from foxhunt_stream.integrity import verifier as integrity
+from foxhunt_stream.integrity import checksums as integrity
+from foxhunt_stream.integrity.verifier import Verifier
 from foxhunt_stream.io import source
 from foxhunt_stream.io.checkpoint import open_checkpoint
 from foxhunt_stream.format.dtypes import DTYPES
@@ -434,7 +435,7 @@ def test_bigger_blocks_grow_the_chunk_and_keep_staging_bounded(chunk, block, thr
     balloons (a small chunk_bytes used to multiply into hundreds of GiB of pinned memory)."""
     from foxhunt_stream import settings as fs_settings
     s = fs_settings.merge(chunk_bytes=chunk, threads=threads)   # default staging: 256 MiB
-    v = integrity.Verifier([("p", "x", integrity.Checksums("xxh3-64", block, {"x": "0" * 16}))], [1 << 40])
+    v = Verifier([("p", "x", integrity.Checksums("xxh3-64", block, {"x": "0" * 16}))], [1 << 40])
     got = v.settings(s)
     assert got.chunk_bytes == block
     assert got.n_slots >= 1 and got.staging_bytes <= max(1 << 30, s.staging_bytes)
@@ -500,16 +501,16 @@ def test_verify_on_auto_hashes_on_the_gpu_only_what_lands_there(saved):
     from foxhunt_stream.cuda.devices import CPU, Device
     ck = open_checkpoint(saved)
     names = ck.file_order()
-    sels = loader._selections(ck, names)
+    sels = loader.selections(ck, names)
     s = fs.settings.merge(**SMALL)
     assert s.verify_on == "auto"
     gpu = Device("cuda", 0)
     xxh = integrity.read_checksums(ck.headers[0], ck.paths[0]).algorithm == "xxh3-64"
     for devices, want in ((CPU, [False] * len(names)), (gpu, [xxh] * len(names)),
                           ([gpu if i % 2 else CPU for i in range(len(names))], [xxh and i % 2 == 1 for i in range(len(names))])):
-        _, _, verifier = loader._plan(ck, sels, s, True, devices)
+        _, _, verifier = loader.plan_selections(ck, sels, s, True, devices)
         assert [verifier.hashes_landed(d) for d in range(len(names))] == want, devices
-    _, _, verifier = loader._plan(ck, sels, fs.settings.merge(verify_on="read", **SMALL), True, gpu)
+    _, _, verifier = loader.plan_selections(ck, sels, fs.settings.merge(verify_on="read", **SMALL), True, gpu)
     assert not any(verifier.hashes_landed(d) for d in range(len(names)))
 
 

@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent("""
     from foxhunt_stream.cuda import devices as device
     from foxhunt_stream.cuda import digest as device_digest
     from foxhunt_stream.integrity import verifier as integrity
+    from foxhunt_stream.engine import destinations, handle, inflight
     from foxhunt_stream.engine import loader
     from foxhunt_stream.io.checkpoint import open_checkpoint
     from foxhunt_stream.errors import ChecksumError
@@ -76,21 +77,21 @@ SCRIPT = textwrap.dedent("""
         names = ck.file_order()
         s = settings.merge(chunk_bytes=4096, staging_bytes=4 * 8192, threads=3)
         assert s.verify_on == "auto"
-        plan_, s2, verifier = loader._plan(ck, loader._selections(ck, names), s, True, gpu)
+        plan_, s2, verifier = loader.plan_selections(ck, loader.selections(ck, names), s, True, gpu)
         assert all(verifier.hashes_landed(d) for d in range(len(names)))
         arrays = [np.zeros(tensors[n].shape, np.float32) for n in names]
         bufs = [Buffer(gpu, a.nbytes, None, a.ctypes.data) for a in arrays]
         sources = loader.open_sources(ck, s2)
-        landing = loader.Landing(plan_, sources, loader.Destinations.fixed(bufs, arrays), s2, verifier=verifier,
+        landing = inflight.LoadInFlight(plan_, sources, destinations.Destinations.fixed(bufs, arrays), s2, check=verifier,
                                  per_dest=per_dest)
         real_release = landing.dests.release
         landing.dests.release = lambda: (log.append(("release",)), real_release())
         if per_dest:
-            return names, loader.LoadHandle(landing, names, lambda: loader._close_all(sources))
+            return names, handle.LoadHandle(landing, names, lambda: loader.close_all(sources))
         try:
             landing.finish()
         finally:
-            loader._close_all(sources)
+            loader.close_all(sources)
         return names, arrays
 
     # 1. all good: one launch per block size, on the same verify stream, every tensor checked

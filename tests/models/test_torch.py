@@ -888,19 +888,20 @@ def test_prefetch_modules_must_be_a_list_of_names(tmp_path):
 def test_tensors_releases_the_load_when_a_check_fails_after_the_reads(tmp_path, monkeypatch):
     """A GPU digest is checked when its tensor is waited for, possibly after every read is done:
     tensors() must still drain and release the whole load (no chunk still landing, nothing kept)."""
-    from foxhunt_stream.engine import loader
+    from foxhunt_stream.engine.destinations import Destinations
+    from foxhunt_stream.engine.inflight import LoadInFlight
     path, _ = _checkpoint(tmp_path)
     released = []
-    real_release = loader.Destinations.release
-    monkeypatch.setattr(loader.Destinations, "release", lambda self: (released.append(True), real_release(self)))
-    real_wait = loader.Landing.wait_dest
+    real_release = Destinations.release
+    monkeypatch.setattr(Destinations, "release", lambda self: (released.append(True), real_release(self)))
+    real_wait = LoadInFlight.wait_dest
 
     def wait_dest(self, d):
         real_wait(self, d)
         if d == 2:
             self.job.wait()   # every read done, as when a digest fails at settle
             raise fs.ChecksumError("checksum", "injected", path=path, tensor="t2")
-    monkeypatch.setattr(loader.Landing, "wait_dest", wait_dest)
+    monkeypatch.setattr(LoadInFlight, "wait_dest", wait_dest)
     with fs.safe_open(path) as f:
         it = f.tensors()
         assert [next(it)[0] for _ in range(2)] == ["t0", "t1"]

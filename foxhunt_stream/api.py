@@ -1,0 +1,44 @@
+"""The public front door of a load: ``fs.load_file``.
+
+It parses where the tensors go once (``engine.placement``) and hands the load to the engine in
+this process, or, with ``process_group``, to ``distributed`` (every rank of a torch.distributed
+group reads part of the checkpoint and the parts are broadcast).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .engine.handle import LoadHandle
+from .engine.loader import load_file as load_here
+from .format.tp import TPSlice
+from .io.checkpoint import Names
+
+
+def load_file(source, device: Any = "cpu", framework: str | None = None, names: Names = None, *,
+              background: bool = False, shard: TPSlice | None = None, verify: bool = False,
+              progress: bool | None = None, process_group=None, device_map: Mapping[str, Any] | None = None,
+              **options) -> dict[str, Any] | LoadHandle:
+    """Load the selected tensors of a checkpoint; returns ``{name: array}``.
+
+    ``source`` is a file, a list of files, an index.json or a directory. Unselected bytes are
+    never read. With ``background=True`` returns a ``LoadHandle`` at once. With
+    ``shard=TPSlice(rank, world_size, dim)`` each array is this rank's slice of the tensor. With
+    ``verify=True`` every tensor is checked against the digests saved with it
+    (``save_file(checksum=...)``) as its chunks land; a mismatch raises ChecksumError and nothing
+    is returned. ``progress``: a bar on stderr (None: only on a terminal and past about a second;
+    True: always; False: never). With ``process_group`` (a torch.distributed group; every rank
+    calls this) the checkpoint is read once across the group and shared by broadcasts
+    (``foxhunt_stream.distributed``; framework "pt" only, ``exchange_bytes=`` bounds its memory).
+    With ``device_map={name or prefix: device}`` (instead of ``device``) each tensor lands on the
+    device of the longest key that is its name or a prefix ending at a ``.`` (``""``: the default),
+    several GPUs at once, each with its own streams and staging (``engine.placement``).
+    """
+    if process_group is None:
+        return load_here(source, device, framework, names, background=background, shard=shard, verify=verify,
+                         progress=progress, device_map=device_map, **options)
+    if device_map is not None:
+        raise ValueError("load_file: device_map and process_group are not supported together")
+    from .distributed.load import load_file_distributed   # imports torch.distributed: only when asked
+    return load_file_distributed(source, device, framework, names, process_group=process_group,
+                                 background=background, shard=shard, verify=verify, progress=progress, **options)

@@ -188,16 +188,8 @@ def _check_extra(value, depth: int, tensor: str) -> None:
         depth += 1
 
 
-def _is_uint(x) -> bool:
-    return type(x) is int and 0 <= x <= _U64_MAX
-
-
-def parse_header(header_bytes: bytes, file_size: int) -> Header:
-    """Parse and validate a whole header (``header_bytes`` = the 8-byte prefix + JSON).
-
-    ``file_size`` is the size of the file it came from: the data region must end exactly there.
-    Nothing is allocated in proportion to what the header claims.
-    """
+def _header_text(header_bytes: bytes, file_size: int) -> tuple[int, bytes, str]:
+    """The header's length ``n`` (checked against the file), its raw JSON bytes and their text."""
     n = read_header_len(header_bytes, file_size)
     if len(header_bytes) < N_LEN + n:
         raise FormatError("header-length", f"header length {n} but only {len(header_bytes) - N_LEN} header bytes given")
@@ -206,6 +198,12 @@ def parse_header(header_bytes: bytes, file_size: int) -> Header:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise FormatError("header-utf8", f"header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    return n, raw, text
+
+
+def _header_object(raw: bytes, text: str) -> dict:
+    """The top-level JSON object, parsed by serde_json's rules: no repeated key, no NaN/Infinity,
+    no lone surrogate, integers as serde reads them."""
     try:
         # serde's integer rules (``-0``, numbers beyond a double) need a Python hook per integer;
         # a header without such tokens (every real one) parses with the C scanner's own ints
@@ -228,21 +226,47 @@ def parse_header(header_bytes: bytes, file_size: int) -> Header:
         for k, v in obj.items():
             _check_strings(k, None)
             _check_strings(v, None if k == "__metadata__" else k)
+    return obj
 
-    metadata = obj.pop("__metadata__", None)
-    if metadata is not None:
-        if isinstance(metadata, _Duplicate):
-            raise FormatError("duplicate-key", f"__metadata__ key {metadata.key!r} appears twice")
-        if not isinstance(metadata, dict):
-            raise FormatError("metadata-type", "__metadata__ must be an object of string to string, or null")
-        for k, v in metadata.items():
-            if not isinstance(v, str):
-                raise FormatError("metadata-type", f"__metadata__[{k!r}] is a {type(v).__name__}, not a string")
 
-    infos: list[TensorInfo] = []
-    for name, entry in obj.items():
-        infos.append(_tensor_info(name, entry))
+def _metadata(value) -> dict[str, str] | None:
+    """``__metadata__``: absent/null, or an object of string to string."""
+    if value is None:
+        return None
+    if isinstance(value, _Duplicate):
+        raise FormatError("duplicate-key", f"__metadata__ key {value.key!r} appears twice")
+    if not isinstance(value, dict):
+        raise FormatError("metadata-type", "__metadata__ must be an object of string to string, or null")
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise FormatError("metadata-type", f"__metadata__[{k!r}] is a {type(v).__name__}, not a string")
+    return value
 
+
+def _check_size(t: TensorInfo) -> None:
+    """dtype x shape must be a whole number of bytes, within 64 bits, and span the tensor's offsets."""
+    # Overflow is checked on every partial product, as the reference's checked_mul fold does:
+    # [2**40, 2**40, 0] is rejected although it holds no element.
+    numel = 1
+    for s in t.shape:
+        numel *= s
+        if numel > _U64_MAX:
+            break
+    nbits = numel * t.dtype.bits
+    if numel > _U64_MAX or nbits > _U64_MAX:
+        raise FormatError("size-overflow", f"shape {list(t.shape)} overflows a 64-bit byte count", tensor=t.name)
+    if nbits % 8:
+        raise FormatError("misaligned-slice", f"{t.numel} x {t.dtype.bits} bits is not a whole number of bytes",
+                          tensor=t.name)
+    if nbits // 8 != t.end - t.start:
+        raise FormatError("size-mismatch",
+                          f"{t.dtype.name}{list(t.shape)} needs {nbits // 8} bytes but data_offsets span "
+                          f"{t.end - t.start}", tensor=t.name)
+
+
+def _data_len(infos: list[TensorInfo]) -> int:
+    """Sort ``infos`` into file order, check that they tile the data region (no gap, no overlap)
+    and that each one's size fits its offsets; returns the data region's length."""
     infos.sort(key=lambda t: (t.start, t.end))
     pos = 0
     for t in infos:
@@ -251,26 +275,24 @@ def parse_header(header_bytes: bytes, file_size: int) -> Header:
                               f"data_offsets [{t.start}, {t.end}] do not start where the previous tensor ends ({pos}): "
                               "tensors must tile the data region with no gap or overlap", tensor=t.name)
         pos = t.end
-        # Overflow is checked on every partial product, as the reference's checked_mul fold does:
-        # [2**40, 2**40, 0] is rejected although it holds no element.
-        numel = 1
-        for s in t.shape:
-            numel *= s
-            if numel > _U64_MAX:
-                break
-        nbits = numel * t.dtype.bits
-        if numel > _U64_MAX or nbits > _U64_MAX:
-            raise FormatError("size-overflow", f"shape {list(t.shape)} overflows a 64-bit byte count", tensor=t.name)
-        if nbits % 8:
-            raise FormatError("misaligned-slice", f"{t.numel} x {t.dtype.bits} bits is not a whole number of bytes",
-                              tensor=t.name)
-        if nbits // 8 != t.end - t.start:
-            raise FormatError("size-mismatch",
-                              f"{t.dtype.name}{list(t.shape)} needs {nbits // 8} bytes but data_offsets span "
-                              f"{t.end - t.start}", tensor=t.name)
-    if N_LEN + n + pos != file_size:
+        _check_size(t)
+    return pos
+
+
+def parse_header(header_bytes: bytes, file_size: int) -> Header:
+    """Parse and validate a whole header (``header_bytes`` = the 8-byte prefix + JSON).
+
+    ``file_size`` is the size of the file it came from: the data region must end exactly there.
+    Nothing is allocated in proportion to what the header claims.
+    """
+    n, raw, text = _header_text(header_bytes, file_size)
+    obj = _header_object(raw, text)
+    metadata = _metadata(obj.pop("__metadata__", None))
+    infos = [_tensor_info(name, entry) for name, entry in obj.items()]
+    end = _data_len(infos)
+    if N_LEN + n + end != file_size:
         raise FormatError("incomplete-buffer",
-                          f"data region should end at byte {N_LEN + n + pos} but the file has {file_size} bytes")
+                          f"data region should end at byte {N_LEN + n + end} but the file has {file_size} bytes")
     header = Header(metadata=metadata, tensors=tuple(infos), header_len=n)
     header.by_name.update((t.name, t) for t in infos)
     return header
@@ -306,11 +328,6 @@ def _tensor_info(name: str, entry) -> TensorInfo:
 
 
 # ---------------------------------------------------------------- serializer
-
-def _sort_key(item: tuple[str, DType]):
-    name, dtype = item
-    return (-dtype.rank, name.encode("utf-8"))
-
 
 def layout(entries: Iterable[tuple[str, DType, tuple[int, ...]]]) -> list[TensorInfo]:
     """Order and place tensors as the reference serializer does: dtype (descending enum order),

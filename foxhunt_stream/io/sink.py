@@ -1,4 +1,5 @@
-"""Sinks: a file that appears atomically (temp file, positional writes, fsync, rename) or not at all.
+"""Sinks: a file that appears atomically (temp file, positional writes, fsync, rename) or not at
+all, and a set of files (a sharded checkpoint and its index) that appears together (``commit_all``).
 
 Temp files are named ``.<target>.foxhunt-tmp.<pid>.<random>`` in the target's directory: never
 ``*.safetensors``, so a crash leaves nothing a loader would mistake for a checkpoint, and
@@ -7,12 +8,13 @@ Temp files are named ``.<target>.foxhunt-tmp.<pid>.<random>`` in the target's di
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
 import os
 import secrets
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -72,15 +74,16 @@ class AtomicFile:
     Two ways to put bytes in it. ``pwrite``: positional writes, which the kernel serializes per
     file (one inode lock), so threads do not add up. ``mmap``: the space is reserved first with
     fallocate (a full disk or a size limit fails here, cleanly, instead of as SIGBUS later), then
-    threads copy into a shared mapping in parallel; measured on the H200 machine, a fresh
+    threads copy into a shared mapping in parallel; measured on an H200 machine (16 vCPU), a fresh
     /dev/shm file took 2.5-3.0 GB/s by pwrite and 5.3-6.0 GB/s by mmap (benchmarks/RESULTS.md).
     Each write maps only its own window and unmaps it at once, so the process's RSS stays flat.
     ``auto`` maps files of at least 64 MiB on tmpfs/ramfs written by at least 8 threads
-    (``writers``), where fallocate works; everything else uses pwrite. Measured on the 2-core dev
-    box (2 writers, benchmarks/RESULTS.md): mmap was 1.3-1.9x slower than pwrite into /dev/shm
-    and 3-9x slower into a new file on ext4 with fsync=False (plausibly because each first touch of
-    a page of a fallocated file is a fault into the filesystem); the mapping only pays off when
-    many threads copy at once, and a disk filesystem was never measured faster by mmap.
+    (``writers``), where fallocate works; everything else uses pwrite. Measured on a 2-vCPU Xeon
+    KVM guest (2 writers, benchmarks/RESULTS.md): mmap was 1.3-1.9x slower than pwrite into
+    /dev/shm and 3-9x slower into a new file on ext4 with fsync=False (plausibly because each
+    first touch of a page of a fallocated file is a fault into the filesystem); the mapping only
+    pays off when many threads copy at once, and a disk filesystem was never measured faster by
+    mmap.
     """
 
     def __init__(self, path: str | os.PathLike, size: int, fsync: bool = True, backend: str = "auto",
@@ -93,8 +96,7 @@ class AtomicFile:
             raise FileNotFoundError(errno.ENOENT, f"directory does not exist: {directory}", directory)
         self.size = size
         self.fsync = fsync
-        self.tmp = os.path.join(directory, f".{os.path.basename(self.path)}{TEMP_MARK}{os.getpid()}."
-                                           f"{secrets.token_hex(4)}")
+        self.tmp = _temp_name(self.path)
         mode = 0o666 & ~_umask()
         self._mapped = False
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
@@ -147,12 +149,19 @@ class AtomicFile:
                 raise OSError(errno.EIO, f"{self.path}: write made no progress at offset {offset + done}")
             done += n
 
-    def commit(self) -> None:
-        try:
+    def seal(self) -> None:
+        """Every byte written: make them durable (fsync, when asked) and close the temp file,
+        which stays unpublished until ``commit``. Idempotent; on failure the caller aborts."""
+        if self.fd >= 0:
             if self.fsync:
                 os.fsync(self.fd)   # also writes back the pages dirtied through mappings
             os.close(self.fd)
             self.fd = -1
+
+    def commit(self) -> None:
+        """Publish the file: sealed, then renamed over ``path``; on failure nothing changed."""
+        try:
+            self.seal()
             os.replace(self.tmp, self.path)
         except BaseException:
             self.abort()
@@ -203,6 +212,70 @@ def write_small(path: str | os.PathLike, data: bytes, fsync: bool = True, commit
     if commit:
         f.commit()
     return f
+
+
+def _temp_name(path: str) -> str:
+    """A temp name next to ``path``: hidden, never ``*.safetensors``, marked with our pid."""
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}{TEMP_MARK}{os.getpid()}."
+                                               f"{secrets.token_hex(4)}")
+
+
+def _keep_old(path: str) -> tuple[bool, str | None]:
+    """Before ``path`` is replaced: whether a file is there, and a hard link that keeps it (None
+    where there is none or the filesystem cannot link)."""
+    if not os.path.lexists(path):
+        return False, None
+    backup = _temp_name(path)
+    try:
+        os.link(path, backup, follow_symlinks=False)
+    except OSError:
+        return True, None
+    return True, backup
+
+
+def _undo_publish(path: str, existed: bool, backup: str | None) -> None:
+    """Put back what was at ``path`` before a publish that is being rolled back."""
+    try:
+        if backup is not None:
+            os.replace(backup, path)
+        elif not existed:
+            os.unlink(path)
+    except OSError:
+        pass
+    if backup is not None:   # a rename between two links of one file does nothing: drop the link
+        with contextlib.suppress(OSError):
+            os.unlink(backup)
+
+
+def commit_all(files: Sequence[AtomicFile]) -> None:
+    """Publish several files as one, in order (an index last).
+
+    Every file is sealed first, so the failures that writing can still have (fsync's among them)
+    come before anything is renamed. Then each is renamed into place; if a rename fails, the
+    ones already done are undone (a new name removed, a replaced file restored from a hard link
+    taken just before). On any failure every temp file is removed and the directory holds what
+    it held before; on success the links go and each directory is fsynced once.
+    """
+    published: list[tuple[str, bool, str | None]] = []
+    try:
+        for f in files:
+            f.seal()
+        for f in files:
+            existed, backup = _keep_old(f.path)
+            published.append((f.path, existed, backup))
+            os.replace(f.tmp, f.path)
+    except BaseException:
+        for path, existed, backup in reversed(published):
+            _undo_publish(path, existed, backup)
+        for f in files:
+            f.abort()
+        raise
+    for _, _, backup in published:
+        if backup is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(backup)
+    for directory in dict.fromkeys(os.path.dirname(f.path) for f in files if f.fsync):
+        _fsync_dir(directory)
 
 
 def _pid_alive(pid: int) -> bool:

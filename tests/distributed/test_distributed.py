@@ -8,13 +8,12 @@ the bytes read from disk across the group add up to the selection read exactly o
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from foxhunt_stream.distributed.load import assign_owners, exchange_windows
+from foxhunt_stream.distributed.ownership import (CheckpointMismatch, TensorDesc, assign_owners, exchange_windows,
+                                                  plan_exchange)
 
 
 
@@ -82,6 +81,27 @@ def test_exchange_windows_cover_every_byte_once_within_the_window(sizes, window)
         turns.append((seen.get(w.owner, 0), w.owner))
         seen[w.owner] = seen.get(w.owner, 0) + 1
     assert turns == sorted(turns) and len(set(turns)) == len(turns)
+
+
+def test_plan_exchange_broadcasts_only_what_another_rank_wants():
+    def desc(nbytes, file, offset):
+        return TensorDesc(nbytes, file, "U8", (nbytes,), offset)
+    everything = {"a": desc(300, "x.safetensors", 8), "b": desc(200, "x.safetensors", 308),
+                  "c": desc(100, "y.safetensors", 8), "d": desc(50, "y.safetensors", 108)}
+    only_b = {"b": everything["b"]}
+    plans = [plan_exchange([everything, only_b], 128, rank) for rank in (0, 1)]
+    assert plans[0].owners == plans[1].owners == {"a": 0, "b": 1, "c": 1, "d": 0}   # by bytes
+    assert plans[0].order == ["a", "b", "c", "d"]                      # file order
+    assert plans[0].owned == ["a", "d"] and plans[1].owned == ["b", "c"]
+    # "a" and "d" are wanted by their owner only: no broadcast; what rank 1 owns, rank 0 wants
+    sent = {n for w in plans[0].windows for n, _, _ in w.segments}
+    assert sent == {"b", "c"} and plans[0].windows == plans[1].windows
+    assert all(w.owner == 1 and w.nbytes <= 128 for w in plans[0].windows)
+    assert plans[0].nbytes(plans[1].owned) == 300
+    other = {"b": TensorDesc(200, "x.safetensors", "F16", (100,), 308)}
+    with pytest.raises(CheckpointMismatch) as e:
+        plan_exchange([everything, other], 128, 0)
+    assert list(e.value.failures) == [1] and "not the same checkpoint" in e.value.failures[1]
 
 
 # -- collectives over gloo -----------------------------------------------------------------------

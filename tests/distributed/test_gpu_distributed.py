@@ -1,5 +1,5 @@
 """Distributed loads over NCCL on two GPUs (world size 2, device cuda:RANK): the same scenarios
-and checks as tests/test_distributed.py's gloo run (results equal a single-process load, the
+and checks as the gloo run of test_distributed.py (results equal a single-process load, the
 group reads the checkpoint once, an error on one rank raises on both, no hang).
 
 Skips cleanly without torch, cupy, NCCL or two CUDA devices.
@@ -7,8 +7,6 @@ Skips cleanly without torch, cupy, NCCL or two CUDA devices.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 

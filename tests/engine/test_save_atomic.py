@@ -1,5 +1,7 @@
-"""save_file under real process-level failures, each in a subprocess: kill -9 at random moments,
-a file-size limit (RLIMIT_FSIZE), and the peak memory of a save.
+"""Atomic saves. save_file under real process-level failures, each in a subprocess: kill -9 at
+random moments, a file-size limit (RLIMIT_FSIZE), and the peak memory of a save. Sharded saves
+(save_file(max_shard_size=), save_sharded, reshard) through the one shard writer: failures while
+writing or publishing, and one shard's tensors in memory at a time.
 
 The file at the target path is always a complete checkpoint, old or new; never a partial one.
 """
@@ -194,3 +196,132 @@ def test_save_peak_memory_is_a_few_chunks(tmp_path, kind):
         assert f.get_slice("x").get_shape() == [8192, 4096]
         np.testing.assert_array_equal(f.get_slice("x")[-3:], (np.arange(8189, 8192)[:, None] * (
             8192 if kind == "strided" else 4096) + np.arange(4096)).astype(np.float32))
+
+
+# ---------------------------------------------------------------- sharded saves: one writer
+
+def _snapshot(directory) -> dict[str, bytes]:
+    return {n: (directory / n).read_bytes() for n in sorted(os.listdir(directory))}
+
+
+def _model(value: int) -> dict[str, np.ndarray]:
+    return {f"w{i}": np.full(1000, value * 100 + i, np.float32) for i in range(5)}   # 4000 B each
+
+
+@pytest.mark.parametrize("fail", ["fsync", "second rename", "index rename"])
+def test_sharded_save_failing_at_publish_leaves_the_old_shards(tmp_path, monkeypatch, fail):
+    """Every shard and the index are written to temp files first, then renamed, the index last; a
+    failure while renaming puts back what the renames already replaced."""
+    from foxhunt_stream.io import sink
+    fs.save_file(_model(1), tmp_path, max_shard_size=8000, fsync=False)   # 3 shards + index
+    old = _snapshot(tmp_path)
+    assert len(old) == 4
+    real_replace, renames = os.replace, []
+
+    def replace(a, b):
+        if TEMP_MARK in os.path.basename(os.fspath(a)) and TEMP_MARK not in os.path.basename(os.fspath(b)):
+            renames.append(b)
+            if (fail == "second rename" and len(renames) == 2) or (fail == "index rename"
+                                                                  and os.fspath(b).endswith(".json")):
+                raise OSError(5, "injected rename failure")
+        return real_replace(a, b)
+
+    def fsync(fd):
+        raise OSError(5, "injected fsync failure")
+
+    monkeypatch.setattr(sink.os, "replace", replace)
+    if fail == "fsync":
+        monkeypatch.setattr(sink.os, "fsync", fsync)
+    with pytest.raises(OSError, match="injected"):
+        fs.save_file(_model(2), tmp_path, max_shard_size=8000)
+    monkeypatch.undo()
+    assert _snapshot(tmp_path) == old, "a failed publish changed the directory"
+    got = fs.load_file(tmp_path)
+    assert all((got[k] == v).all() for k, v in _model(1).items())
+
+
+def test_sharded_save_without_hard_links_still_publishes(tmp_path, monkeypatch):
+    """Where the filesystem cannot link (no way to keep a replaced file), the save still works."""
+    from foxhunt_stream.io import sink
+    fs.save_file(_model(1), tmp_path, max_shard_size=8000, fsync=False)
+
+    def link(*a, **k):
+        raise OSError(1, "no hard links here")
+    monkeypatch.setattr(sink.os, "link", link)
+    fs.save_file(_model(2), tmp_path, max_shard_size=8000, fsync=False)
+    assert len(os.listdir(tmp_path)) == 4 and not _temps(tmp_path)
+    got = fs.load_file(tmp_path)
+    assert all((got[k] == v).all() for k, v in _model(2).items())
+
+
+def test_save_sharded_produces_one_shard_at_a_time(tmp_path):
+    """The streaming writer asks for a shard's tensors only when it writes that shard, and has let
+    go of the previous shard's by then: host memory holds one shard at a time."""
+    import weakref
+    from foxhunt_stream.engine.reshard import save_sharded
+    sizes = [(f"t{i}", 4000) for i in range(7)]
+    alive: list = []
+    asked: list[list[str]] = []
+
+    def fetch(names):
+        import gc
+        gc.collect()
+        assert not [r for r in alive if r() is not None], "the previous shard's arrays are still held"
+        asked.append(list(names))
+        out = {n: np.full(1000, int(n[1:]), np.float32) for n in names}
+        alive.extend(weakref.ref(a) for a in out.values())
+        return out
+
+    written = save_sharded(sizes, fetch, tmp_path, 8000, {"format": "pt"}, fsync=False)
+    assert asked == [["t0", "t1"], ["t2", "t3"], ["t4", "t5"], ["t6"]]
+    assert [os.path.basename(p) for p in written] == [f"model-{i:05d}-of-00004.safetensors" for i in range(1, 5)] + [
+        "model.safetensors.index.json"]
+    got = fs.load_file(tmp_path)
+    assert sorted(got) == [n for n, _ in sizes] and all((got[n] == int(n[1:])).all() for n in got)
+
+
+def test_save_sharded_failing_midway_leaves_nothing_new(tmp_path):
+    from foxhunt_stream.engine.reshard import save_sharded
+    (tmp_path / "notes.txt").write_text("kept")
+    calls = []
+
+    def fetch(names):
+        calls.append(names)
+        if len(calls) == 3:
+            raise RuntimeError("source went away")
+        return {n: np.ones(1000, np.float32) for n in names}
+
+    with pytest.raises(RuntimeError, match="went away"):
+        save_sharded([(f"t{i}", 4000) for i in range(7)], fetch, tmp_path, 8000, fsync=False)
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_reshard_failing_midway_leaves_no_output(tmp_path, monkeypatch):
+    """A rewrite that fails leaves neither shards nor temp files, and no directory it created."""
+    from foxhunt_stream.engine import reshard as reshard_mod
+    from foxhunt_stream.io import sink
+    src = tmp_path / "src"
+    src.mkdir()
+    fs.save_file(_model(3), src, max_shard_size=8000, fsync=False)
+    calls = []
+
+    def hook(f, offset, length):
+        calls.append(f.path)
+        if len({os.path.basename(p) for p in calls}) == 3:   # during the third output file
+            raise OSError(28, "injected: no space left")
+
+    monkeypatch.setattr(sink, "fault_hook", hook)
+    with pytest.raises(OSError, match="no space"):
+        reshard_mod.reshard(src, tmp_path / "out", 4000, fsync=False)
+    assert not (tmp_path / "out").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    calls.clear()
+    with pytest.raises(OSError, match="no space"):
+        reshard_mod.reshard(src, existing, 4000, fsync=False)
+    assert os.listdir(existing) == []     # kept (it was there before), and empty
+    monkeypatch.setattr(sink, "fault_hook", None)
+    written = reshard_mod.reshard(src, existing, 4000, fsync=False)
+    assert len(written) == 6 and written[-1].endswith("model.safetensors.index.json")
+    got = fs.load_file(existing)
+    assert all((got[k] == v).all() for k, v in _model(3).items())

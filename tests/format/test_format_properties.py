@@ -4,7 +4,7 @@
   load back equal;
 * slicing: ``safe_open(...).get_slice(name)[index]`` equals numpy's ``arr[index]`` for random
   basic indices; unsupported indices raise IndexError/TypeError;
-* planning (pure, no files): ``plan.slice_runs`` runs copy exactly the selected bytes, and
+* planning (pure, no files): ``indexing.slice_runs`` runs copy exactly the selected bytes, and
   ``plan.split_run`` pieces stay within the chunk size and reassemble to the original run.
 """
 
@@ -25,7 +25,8 @@ from hypothesis.extra import numpy as hnp
 import foxhunt_stream as fs
 from foxhunt_stream.format.dtypes import DTYPES
 from foxhunt_stream.format.header import N_LEN, TensorInfo, parse_header
-from foxhunt_stream.format.plan import Run, Selection, plan_load, plan_save, slice_runs, split_run
+from foxhunt_stream.format.indexing import Run, general_slice_runs, slice_runs
+from foxhunt_stream.format.plan import Selection, plan_load, plan_save, split_run
 
 def bounded(n: int) -> settings:
     return settings(max_examples=n, deadline=None,
@@ -257,7 +258,6 @@ def test_slice_runs_copy_exactly_the_selection(shape, itemsize, data):
 def test_shard_indices_take_a_short_path_with_the_same_runs(shape, itemsize, data):
     """``x[a:b]`` and ``x[:, a:b]`` (tensor-parallel shards) skip the general planner: the runs
     are exactly the ones it would make, empty and full slices included."""
-    from foxhunt_stream.format import plan as fplan
     nbytes = int(np.prod(shape)) * itemsize
     info = TensorInfo("t", DTYPES[UINT[itemsize]], tuple(shape), 8, 8 + nbytes)
     dim = data.draw(st.integers(0, min(1, len(shape) - 1))) if shape else 0
@@ -267,7 +267,7 @@ def test_shard_indices_take_a_short_path_with_the_same_runs(shape, itemsize, dat
     idx = (slice(None),) * dim + (slice(a, b),)
     if not shape:
         return
-    assert slice_runs(info, 24, idx) == fplan._slice_runs(info, 24, idx)
+    assert slice_runs(info, 24, idx) == general_slice_runs(info, 24, idx)
 
 
 def test_slice_runs_whole_tensor_is_one_run():

@@ -1,4 +1,4 @@
-"""Parser fuzzing (issue "Reliability"), bounded to a few seconds.
+"""Parser fuzzing, bounded to a few seconds.
 
 (a) Arbitrary bytes, arbitrary JSON and mutated valid files (bit flips, splices, length-prefix
     edits, JSON token and structure edits) fed to ``parse_header`` and ``fs.load_file``: every

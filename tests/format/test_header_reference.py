@@ -9,9 +9,9 @@ against the reference's own arrays wherever it can express the dtype.
 
 Where we are deliberately stricter than the reference, ``STRICTER_CASES`` asserts the
 reference's verdict (accept) and ours (reject) separately; ``format_support.STRICTER`` lists
-those rules. The issue also expected NaN/Infinity literals and lone surrogate escapes to be
-stricter-than-reference cases, but safetensors 0.8.0's serde_json rejects them too, so they are
-ordinary same-verdict cases below.
+those rules. NaN/Infinity literals and lone surrogate escapes look like stricter-than-reference
+cases, but safetensors 0.8.0's serde_json rejects them too, so they are ordinary same-verdict
+cases below.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def test_documented_stricter_than_the_reference(case, tmp_path):
 
 
 def test_case_count():
-    """The issue asks for at least 40 malformed files, one per rule and the known attacks."""
+    """At least 40 malformed files: one per rule, and the known attacks."""
     assert len(REJECT) + len(STRICTER_CASES) >= 40
     rules = {c.rule for c in REJECT}
     assert rules >= {"header-too-small", "header-too-large", "header-length", "header-utf8", "header-json",

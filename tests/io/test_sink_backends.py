@@ -2,7 +2,6 @@
 same failure guarantees."""
 
 import os
-import resource
 import subprocess
 import sys
 import textwrap

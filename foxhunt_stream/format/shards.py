@@ -1,0 +1,52 @@
+"""File shards of a checkpoint: which tensors go in which file, the files' names, and the index
+(``model.safetensors.index.json``) that maps each tensor to its file. Pure functions, no I/O.
+
+The grouping, the names and the index follow Hugging Face's ``save_pretrained``, so a sharded
+save loads wherever a Hugging Face checkpoint does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping, Sequence
+
+
+def split_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """``(name, nbytes)`` pairs grouped into shards of at most ``max_shard_size`` bytes.
+
+    Greedy, in the given order: a shard closes when the next tensor would overflow it; a tensor
+    larger than the limit sits alone in its shard (Hugging Face's rule). Always at least one
+    group (empty when there are no tensors)."""
+    shards: list[list[str]] = []
+    cur: list[str] = []
+    cur_size = 0
+    for name, size in sizes:
+        if size > max_shard_size:
+            if cur:
+                shards.append(cur)
+                cur, cur_size = [], 0
+            shards.append([name])
+            continue
+        if cur and cur_size + size > max_shard_size:
+            shards.append(cur)
+            cur, cur_size = [], 0
+        cur.append(name)
+        cur_size += size
+    if cur or not shards:
+        shards.append(cur)
+    return shards
+
+
+def shard_names(groups: int) -> list[str]:
+    """The file names of ``groups`` shards: ``model.safetensors`` alone, else
+    ``model-0000i-of-0000n.safetensors``."""
+    if groups == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{groups:05d}.safetensors" for i in range(groups)]
+
+
+def index_json(weight_map: Mapping[str, str], total_size: int) -> bytes:
+    """The index's bytes: ``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``,
+    keys sorted, two-space indent, a final newline."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()

@@ -1,7 +1,7 @@
 """Tensor-parallel slices: which part of each tensor one rank loads. Pure functions, no I/O.
 
 ``TPSlice(rank, world_size, dim)`` turns into one basic index per tensor (``x[:, a:b]``), so a
-rank's load is an ordinary sliced load: it goes through ``plan.slice_runs`` like ``get_slice``
+rank's load is an ordinary sliced load: it goes through ``indexing.slice_runs`` like ``get_slice``
 does, reads only the covered rows (dim 0) or row span (later dims, landed as one 2-D copy per
 chunk), and works the same on every target.
 

@@ -486,7 +486,7 @@ def test_last_dim_shard_reads_only_the_covered_row_span_in_chunks(tmp_path, read
 
 
 def test_plan_for_a_column_shard_is_2d_runs(ckpt):
-    """The shard goes through plan.slice_runs: x[:, a:b] is one 2-D run per chunk."""
+    """The shard goes through indexing.slice_runs: x[:, a:b] is one 2-D run per chunk."""
     from foxhunt_stream.io.checkpoint import open_checkpoint
     from foxhunt_stream.engine.loader import selections
     from foxhunt_stream.format.plan import plan_load

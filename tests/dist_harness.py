@@ -1,4 +1,5 @@
-"""Harness of the distributed-load tests (tests/test_distributed.py, tests/test_gpu_distributed.py).
+"""Harness of the distributed-load tests (tests/distributed/test_distributed.py over gloo,
+tests/distributed/test_gpu_distributed.py over NCCL).
 
 Parent side: ``make_checkpoint``, ``start_world`` / ``collect`` (processes forked from a
 forkserver that imported torch once), ``check_reports``. Rank side: ``main``, also runnable as
@@ -83,8 +84,10 @@ def main(rank: int, world: int, init_file: str, ckpt: str, out: str, backend: st
     scenario("mixed_window", files, None, exchange_bytes=500 + 300 * rank)   # the group takes the smallest
     mine = [n for i, n in enumerate(names) if i % (world + 1) == rank]   # the last slice: nobody's
     scenario("subset", rotated, mine, exchange_bytes=777)
-    scenario("shard", rotated, None, shard=fs.Shard(rank, world, {"b.*": 1, "s.*": None, "*": 0}),
-             exchange_bytes=4096)
+    scenario("shard", rotated, None, shard=fs.TPSlice(rank, world, TP_RULE), exchange_bytes=4096)
+    # the last rank replicates everything the others slice: owners read whole and slice their own part
+    scenario("tp_mixed", files, None, shard=fs.TPSlice(rank, world, None if rank == world - 1 else TP_RULE),
+             exchange_bytes=300)
     # a file only the last rank cannot see
     bad = rotated if rank != world - 1 else rotated + [os.path.join(ckpt, "missing.safetensors")]
     scenario("missing", bad, None)
@@ -96,6 +99,7 @@ def main(rank: int, world: int, init_file: str, ckpt: str, out: str, backend: st
         source.fault_hook = hook
     try:
         scenario("fault", files, None)
+        scenario("tp_fault", rotated, None, shard=fs.TPSlice(rank, world, TP_RULE))   # in its own slices too
     finally:
         source.fault_hook = None
     scenario("after", files, None, exchange_bytes=1 << 16)   # the group still works after errors
@@ -115,6 +119,33 @@ def run(*args) -> None:
 
 
 # -- parent side ---------------------------------------------------------------------------------
+
+TP_RULE = {"b.*": 1, "s.*": None, "*": 0}   # the "shard" scenario: column and row slices, a replicated scalar
+
+
+def expected_tp_reads(ckpt: str, world: int) -> list[int]:
+    """Bytes each rank should read in the "shard" scenario: the spans of its own slices (a column
+    slice reads the row span it covers, as ``indexing.slice_runs`` plans it) plus its share of the
+    replicated tensors (split by bytes with ``assign_owners``), each replicated byte read once."""
+    import foxhunt_stream as fs
+    from foxhunt_stream.distributed.ownership import assign_owners
+    from foxhunt_stream.format.indexing import slice_runs
+    from foxhunt_stream.format.tp import shard_index
+    from foxhunt_stream.io.checkpoint import open_checkpoint
+    ck = open_checkpoint(sorted(os.path.join(ckpt, f) for f in os.listdir(ckpt) if f.endswith(".safetensors")))
+    reads = [0] * world
+    replicated = []
+    for name, (f, info) in ck.names.items():
+        if fs.TPSlice(0, world, TP_RULE).dim_for(name) is None:
+            replicated.append((name, info.nbytes, ck.paths[f]))
+            continue
+        for r in range(world):
+            _, runs = slice_runs(info, ck.headers[f].data_start, shard_index(info.shape, fs.TPSlice(r, world, TP_RULE),
+                                                                            name))
+            reads[r] += sum(run.span for run in runs)
+    for name, rank in assign_owners(replicated, world).items():
+        reads[rank] += next(n for m, n, _ in replicated if m == name)
+    return reads
 
 def make_checkpoint(d) -> int:
     """Three files of mixed dtypes (a scalar, an empty tensor, odd sizes); returns total bytes."""
@@ -186,28 +217,37 @@ def collect(started, timeout: float = 120):
     return out
 
 
-def check_reports(reports, world: int, total: int) -> None:
+def check_reports(reports, world: int, total: int, ckpt: str | None = None) -> None:
+    """Assert on the reports of every rank of one group; with ``ckpt`` (the checkpoint directory)
+    also that each rank of the tensor-parallel scenario read exactly its own bytes."""
     for r, rep in enumerate(reports):
         for key, e in rep.items():
             assert "unexpected" not in e, f"rank {r} {key}: {e['unexpected']}"
-    for key in ("full", "default_window", "mixed_window", "subset", "shard", "after"):
+    for key in ("full", "default_window", "mixed_window", "subset", "shard", "tp_mixed", "after"):
         for r, rep in enumerate(reports):
             assert "error" not in rep[key], f"rank {r} {key}: {rep[key]['error']}"
             assert rep[key]["mismatch"] is None, f"rank {r} {key}: {rep[key]['mismatch']}"
     # loaded once: the group read every selected byte exactly once, not once per rank
-    for key in ("full", "default_window", "mixed_window", "shard", "after"):
+    for key in ("full", "default_window", "mixed_window", "after"):
         assert sum(rep[key]["read"] for rep in reports) == total, key
+    # tensor parallel: each rank reads its own slices, and its share of the replicated tensors
+    if ckpt is not None:
+        want = expected_tp_reads(ckpt, world)
+        assert [rep["shard"]["read"] for rep in reports] == want, (
+            f"bytes read per rank {[rep['shard']['read'] for rep in reports]}, expected {want} "
+            "(own slices + a share of the replicated tensors)")
     assert reports[0]["full"]["n"] == 9
     # ranks asked for different names (some names by nobody): each got exactly its own
     assert sum(rep["subset"]["n"] for rep in reports) == sum(1 for i in range(9) if i % (world + 1) < world)
     assert sum(rep["subset"]["read"] for rep in reports) == sum(rep["subset"]["bytes"] for rep in reports) < total
     # an error seen by one rank is raised on every rank, naming that rank
-    for key, culprit in (("missing", world - 1), ("unknown", world - 1), ("fault", 0)):
+    for key, culprit in (("missing", world - 1), ("unknown", world - 1), ("fault", 0), ("tp_fault", 0)):
         for r, rep in enumerate(reports):
             assert "error" in rep[key], f"rank {r} did not raise in {key}"
             assert rep[key]["failures"] == [culprit], (key, rep[key])
     assert "missing.safetensors" in reports[0]["missing"]["error"]
     assert "injected read error" in reports[0]["fault"]["error"]
+    assert "injected read error" in reports[0]["tp_fault"]["error"]
     assert "no.such.tensor" in reports[0]["unknown"]["error"]
 
 

@@ -4,11 +4,12 @@
 
 1. agree on the selection: every rank opens the checkpoint and selects its names; the selections
    (and any error) are all-gathered, so ranks asking for different subsets agree on one plan and
-   cannot deadlock; ``ownership.plan_exchange`` splits the union of the wanted tensors across the
-   ranks by size (deterministic: the same answer whatever order the files were listed in);
-2. start: each rank starts reading the tensors it owns through the ordinary pipeline
-   (``engine.loader.load_file(background=True)``) onto its own device and allocates the ones it
-   will receive; allocation errors are all-gathered before any broadcast;
+   cannot deadlock; ``ownership.plan_exchange`` splits the tensors some rank wants whole across
+   the ranks by size (deterministic: the same answer whatever order the files were listed in);
+2. start: each rank starts reading the tensors it owns, and its own tensor-parallel slices,
+   through the ordinary pipeline (``engine.loader.load_file(background=True)``) onto its own
+   device, and allocates the tensors it will receive; allocation errors are all-gathered before
+   any broadcast;
 3. the exchange: the owners broadcast their tensors as they land, taking turns, in windows of at
    most ``exchange_bytes`` (the smallest any rank asked for): small tensors of one owner are
    packed into one window, big ones go in pieces straight into the receivers' tensors. A rank
@@ -18,12 +19,17 @@
 4. finish and agree: the outcome is all-gathered at the end: an error on one rank raises
    ``DistributedLoadError`` on every rank instead of leaving the others waiting.
 
+Tensor parallel (``shard=TPSlice(rank, world_size, dim)``): a tensor split by a rank's slice is
+read by that rank alone, only its slice (its rows, or for a later dim the row span the columns
+cover), straight into its result: nobody else needs those bytes, so nothing is exchanged. Only
+the tensors a rank wants whole (``dim`` None: replicated) go through owners and broadcasts. If
+ranks disagree (one wants a slice of a tensor another wants whole), the owner reads it whole and
+takes its own slice out of that.
+
 Memory: an owner holds each tensor it owns from its landing until it is sent (at most about
-1/world_size of the selection) plus one exchange window; a receiver's wanted tensors land in
-place. With ``shard=`` the owner broadcasts the *whole* tensor and each rank slices its part out
-(one whole tensor at a time held as a temporary): correct and simple, not bytes-optimal (every
-rank receives every byte of a sharded tensor it wants). Ownership is per tensor, so one tensor
-larger than total/world_size leaves the split uneven.
+1/world_size of what is wanted whole) plus one exchange window; a receiver's wanted tensors land
+in place. Ownership is per tensor, so one tensor larger than total/world_size leaves the split
+uneven.
 
 Time limits: a rank that hangs or dies (rather than raising) is bounded by the process group's
 own timeout (``init_process_group(timeout=...)``), the only clock the collectives honour.
@@ -40,7 +46,7 @@ from ..cuda.devices import Device, check_device, parse_device
 from ..engine.frameworks import get_framework
 from ..engine.loader import load_file as load_local
 from ..format.dtypes import DTYPES, host_shape
-from ..format.tp import Shard, shard_index
+from ..format.tp import TPSlice, shard_index
 from ..io.checkpoint import Names, open_checkpoint, select
 from .ownership import CheckpointMismatch, ExchangePlan, Window, describe, plan_exchange
 
@@ -105,12 +111,13 @@ class _Agreed:
     device: Device
     fw: Any                       # the torch framework on ``device``
     chosen: list[str]             # what this rank asked for, in its order
-    indices: dict[str, Any]       # name -> this rank's shard index (None: whole); empty without shard=
+    indices: dict[str, Any]       # name -> this rank's slice index (None: whole); empty without shard=
+    shard: TPSlice | None
     plan: ExchangePlan
 
 
-def _select_here(source, device, names: Names, shard: Shard | None):
-    """This rank's device, framework, names, their descriptions and shard indices (may raise)."""
+def _select_here(source, device, names: Names, shard: TPSlice | None):
+    """This rank's device, framework, names, their descriptions and slice indices (may raise)."""
     import torch
     dev = parse_device(device)
     check_device(dev)
@@ -128,7 +135,7 @@ def _select_here(source, device, names: Names, shard: Shard | None):
     return dev, fw, chosen, descs, indices
 
 
-def _agree_on_selection(group: _Group, source, device, names: Names, shard: Shard | None,
+def _agree_on_selection(group: _Group, source, device, names: Names, shard: TPSlice | None,
                         window: int) -> _Agreed:
     """Every rank's selection (or its error) gathered; one plan computed alike on every rank."""
     error: BaseException | None = None
@@ -136,23 +143,24 @@ def _agree_on_selection(group: _Group, source, device, names: Names, shard: Shar
         dev, fw, chosen, descs, indices = _select_here(source, device, names, shard)
     except Exception as e:
         error = e
-    gathered = group.gather(_failure(error) if error is not None else (descs, window))
+    sliced = [] if error is not None else sorted(n for n, idx in indices.items() if idx is not None)
+    gathered = group.gather(_failure(error) if error is not None else (descs, window, sliced))
     failures = {r: g for r, g in enumerate(gathered) if isinstance(g, str)}
     if failures:
         raise DistributedLoadError(failures, group.rank) from error
     window = min(g[1] for g in gathered)   # every rank must cut the same windows: the smallest bound
     try:
-        plan = plan_exchange([g[0] for g in gathered], window, group.rank)
+        plan = plan_exchange([g[0] for g in gathered], window, group.rank, sliced=[g[2] for g in gathered])
     except CheckpointMismatch as e:
         raise DistributedLoadError(e.failures, group.rank) from None
-    return _Agreed(dev, fw, chosen, indices, plan)
+    return _Agreed(dev, fw, chosen, indices, shard, plan)
 
 
 # -- 2.-4. start the reads, exchange, finish -----------------------------------------------------
 
 class _Exchange:
-    """This rank's part of the exchange: its owned reads in flight, the whole tensors it holds
-    (owned and landed, or being received), and its result.
+    """This rank's part of the exchange: its reads in flight (what it owns, and its own slices),
+    the whole tensors it holds (owned and landed, or being received), and its result.
 
     From the first broadcast on every rank takes part in every broadcast whatever happens: a rank
     that failed (``failed``) sends or drops junk and says so at the end, so no rank is left
@@ -161,6 +169,8 @@ class _Exchange:
     def __init__(self, group: _Group, agreed: _Agreed) -> None:
         self.group, self.agreed, self.plan = group, agreed, agreed.plan
         self.mine = set(agreed.chosen)
+        self.whole = {n for n in agreed.chosen if agreed.indices.get(n) is None}   # wanted whole here
+        self.local = set(agreed.plan.local)                                          # sliced and read here
         self.full: dict[str, Any] = {}
         self.result: dict[str, Any] = {}
         self.handle = None
@@ -171,18 +181,27 @@ class _Exchange:
         d = self.plan.union[n]
         return self.agreed.fw.empty(DTYPES[d.dtype], d.shape, self.agreed.device, n)
 
+    def _slicing(self) -> TPSlice | None:
+        """How this rank's own reads are sliced: its slice of each ``local`` tensor, owned ones whole."""
+        if not self.plan.local:
+            return None
+        shard, owned = self.agreed.shard, set(self.plan.owned)
+        return TPSlice(shard.rank, shard.world_size, lambda n: None if n in owned else shard.dim_for(n))
+
     def start(self, source, verify: bool, progress: bool | None, options: dict) -> None:
-        """Phase 2: start reading what this rank owns (in the background), allocate what it
-        receives whole and the exchange's scratch window; the group agrees on any failure
-        (allocation, the likely one) before the first broadcast."""
+        """Phase 2: start reading (in the background) what this rank owns, then its own slices;
+        allocate what it receives whole and the exchange's scratch window; the group agrees on
+        any failure (allocation, the likely one) before the first broadcast."""
         import torch
         error: BaseException | None = None
         try:
-            if self.plan.owned:
-                self.handle = load_local(source, device=self.agreed.device, framework="pt", names=self.plan.owned,
-                                         verify=verify, progress=progress, background=True, **options)
+            reads = self.plan.owned + self.plan.local   # owned first: the broadcasts wait on those
+            if reads:
+                self.handle = load_local(source, device=self.agreed.device, framework="pt", names=reads,
+                                         shard=self._slicing(), verify=verify, progress=progress, background=True,
+                                         **options)
             for n in self.agreed.chosen:
-                if self.plan.owners[n] != self.group.rank and self.agreed.indices.get(n) is None:
+                if n in self.whole and self.plan.owners[n] != self.group.rank:
                     self.full[n] = self._empty(n)
             if self.plan.windows:
                 self.scratch = torch.empty(max(w.nbytes for w in self.plan.windows), dtype=torch.uint8,
@@ -221,8 +240,9 @@ class _Exchange:
         return self.full.get(n)
 
     def dest_of(self, n: str):
-        """Receiver side: where a wanted tensor lands whole (a sharded one: a temporary), or None."""
-        if self.failed is None and n in self.mine and n not in self.full:
+        """Receiver side: where a tensor wanted whole here lands, or None (not wanted whole here:
+        the broadcast's bytes are dropped)."""
+        if self.failed is None and n in self.whole and n not in self.full:
             try:
                 self.full[n] = self._empty(n)
             except Exception as e:
@@ -230,13 +250,21 @@ class _Exchange:
         return self.full.get(n)
 
     def finish(self, n: str) -> None:
-        """Tensor ``n`` is complete here: into the result (sliced if sharded); the whole one goes."""
+        """Tensor ``n`` is complete here: into the result (an owner that wants only a slice of it
+        takes the slice out); the whole one goes."""
         import torch
-        if self.failed is None and n in self.mine:
+        if self.failed is None and n in self.mine and n in self.full:
             t = self.full[n]
             idx = self.agreed.indices.get(n)
             self.result[n] = t if idx is None else t[idx].clone(memory_format=torch.contiguous_format)
         self.full.pop(n, None)   # sliced, or not wanted here: the whole one goes as soon as it is sent
+
+    def take_local(self, n: str) -> None:
+        """This rank's own slice of ``n``, as its reads land it."""
+        try:
+            self.result[n] = self.handle.wait(n)
+        except Exception as e:
+            self.fail(e)
 
     def broadcast(self, w: Window) -> None:
         """One window: a single segment goes straight from/into its tensor, several through scratch."""
@@ -263,7 +291,7 @@ class _Exchange:
 
     def run(self) -> None:
         """Phase 3: every window in the agreed order, while the owners' reads go on; then what
-        only this rank wanted (and zero-byte tensors), which no window carries."""
+        no window carries: this rank's own slices, what only it wanted, zero-byte tensors."""
         remaining = {n: self.plan.union[n].nbytes for n in self.plan.order}
         for w in self.plan.windows:
             self.broadcast(w)
@@ -272,12 +300,16 @@ class _Exchange:
                 if remaining[n] == 0:
                     self.finish(n)
         for n in self.plan.order:
-            if n in self.mine and n not in self.result and self.failed is None:
-                if self.plan.owners[n] == self.group.rank:
-                    self.source_of(n)
-                else:
-                    self.dest_of(n)
-                self.finish(n)
+            if n not in self.mine or n in self.result or self.failed is not None:
+                continue
+            if n in self.local:
+                self.take_local(n)
+                continue
+            if self.plan.owners[n] == self.group.rank:
+                self.source_of(n)
+            else:
+                self.dest_of(n)
+            self.finish(n)
 
     def close(self) -> None:
         """Phase 4: the reads end (closing the files), the device settles, the group agrees."""
@@ -310,12 +342,14 @@ def _window_bytes(framework: str | None, background: bool, exchange_bytes: int |
 
 
 def load_file_distributed(source, device="cpu", framework: str | None = None, names: Names = None, *,
-                          process_group, shard: Shard | None = None, exchange_bytes: int | None = None,
+                          process_group, shard: TPSlice | None = None, exchange_bytes: int | None = None,
                           verify: bool = False, progress: bool | None = None, background: bool = False,
                           **options) -> dict[str, Any]:
     """``load_file`` over a torch.distributed group: every rank of ``process_group`` calls it
     (with its own ``device``, ``names`` and ``shard``); the checkpoint is read from disk once
-    across the group and shared with broadcasts. Returns this rank's ``{name: torch.Tensor}``.
+    across the group and shared with broadcasts. With ``shard`` each rank reads its own slices
+    itself and only the replicated tensors are shared. Returns this rank's
+    ``{name: torch.Tensor}``.
 
     ``framework`` must be ``"pt"``/``"torch"`` (None means "pt"): only torch tensors go through
     torch.distributed. ``exchange_bytes`` bounds the extra device memory of the exchange
@@ -331,8 +365,8 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
     exchange.run()
     exchange.close()
     plan = agreed.plan
-    log.debug("distributed load, rank %d of %d: owns %d of %d tensors (%d bytes); plan+load %.3f s, "
-              "exchange %.3f s in %d broadcasts (window %d)", group.rank, group.world, len(plan.owned),
-              len(plan.order), plan.nbytes(plan.owned), t_load - t0, time.perf_counter() - t_load,
-              len(plan.windows), plan.window_bytes)
+    log.debug("distributed load, rank %d of %d: owns %d of %d tensors (%d bytes), reads %d slices itself; "
+              "plan+load %.3f s, exchange %.3f s in %d broadcasts (window %d)", group.rank, group.world,
+              len(plan.owned), len(plan.order), plan.nbytes(plan.owned), len(plan.local), t_load - t0,
+              time.perf_counter() - t_load, len(plan.windows), plan.window_bytes)
     return {n: exchange.result[n] for n in agreed.chosen}

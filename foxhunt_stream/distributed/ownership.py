@@ -2,8 +2,9 @@
 
 Every rank runs these on the same gathered inputs and gets the same answer, so the ranks agree on
 the plan without a further round of messages: ``plan_exchange`` merges the ranks' selections
-(``TensorDesc`` per wanted tensor), gives each tensor one owner (``assign_owners``, balanced by
-bytes) and cuts what the owners send into windows (``exchange_windows``).
+(``TensorDesc`` per wanted tensor), leaves each rank's tensor-parallel slices to that rank, gives
+each tensor wanted whole one owner (``assign_owners``, balanced by bytes) and cuts what the
+owners send into windows (``exchange_windows``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import heapq
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Collection, Iterable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from ..io.checkpoint import Checkpoint
@@ -141,10 +142,11 @@ def merge_selections(selections: Sequence[Mapping[str, TensorDesc]]
 @dataclass(frozen=True)
 class ExchangePlan:
     """The agreed plan, seen from one rank."""
-    union: dict[str, TensorDesc]      # every tensor some rank wants
-    owners: dict[str, int]            # name -> the rank that reads it from disk
+    union: dict[str, TensorDesc]      # every tensor some rank wants (whole, or as its slice)
+    owners: dict[str, int]            # name -> the rank that reads it whole, for each tensor some rank wants whole
     order: list[str]                  # the union in file order (sequential reads)
-    owned: list[str]                  # what this rank reads, in file order
+    owned: list[str]                  # what this rank reads whole, in file order
+    local: list[str]                  # the slices this rank reads for itself alone, in file order
     windows: list[Window]             # the broadcasts, in the order every rank runs them
     window_bytes: int
 
@@ -152,15 +154,27 @@ class ExchangePlan:
         return sum(self.union[n].nbytes for n in names)
 
 
-def plan_exchange(selections: Sequence[Mapping[str, TensorDesc]], window_bytes: int, rank: int) -> ExchangePlan:
+def plan_exchange(selections: Sequence[Mapping[str, TensorDesc]], window_bytes: int, rank: int,
+                  sliced: Sequence[Collection[str]] | None = None) -> ExchangePlan:
     """Rank ``rank``'s view of the plan for the gathered selections (one per rank).
 
-    Only tensors wanted by a rank other than their owner are broadcast; ``window_bytes`` must be
-    the same on every rank (the smallest any rank asked for) so that all cut the same windows.
+    ``sliced[r]`` are the tensors rank r wants only its tensor-parallel slice of: it reads that
+    slice itself (nobody else needs those bytes), unless it owns the tensor because another rank
+    wants it whole. Every tensor some rank wants whole gets one owner, which reads it whole;
+    only tensors wanted whole by a rank other than their owner are broadcast. ``window_bytes``
+    must be the same on every rank (the smallest any rank asked for) so that all cut the same
+    windows.
     """
-    union, wanted_by = merge_selections(selections)
-    owners = assign_owners([(n, d.nbytes, d.file) for n, d in union.items()], len(selections))
+    union, _ = merge_selections(selections)
+    sliced = [frozenset(s) for s in sliced] if sliced is not None else [frozenset()] * len(selections)
+    wanted_whole: dict[str, set[int]] = {}
+    for r, descs in enumerate(selections):
+        for n in descs:
+            if n not in sliced[r]:
+                wanted_whole.setdefault(n, set()).add(r)
+    owners = assign_owners([(n, union[n].nbytes, union[n].file) for n in wanted_whole], len(selections))
     order = sorted(union, key=lambda n: (union[n].file, union[n].offset, n))
-    shared = [(n, union[n].nbytes, owners[n]) for n in order if wanted_by[n] - {owners[n]}]
-    return ExchangePlan(union, owners, order, [n for n in order if owners[n] == rank],
+    shared = [(n, union[n].nbytes, owners[n]) for n in order if n in owners and wanted_whole[n] - {owners[n]}]
+    local = [n for n in order if n in sliced[rank] and n in selections[rank] and owners.get(n) != rank]
+    return ExchangePlan(union, owners, order, [n for n in order if owners.get(n) == rank], local,
                         exchange_windows(shared, window_bytes), window_bytes)

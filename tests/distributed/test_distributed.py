@@ -2,19 +2,18 @@
 
 The collective tests start WORLD processes running tests/dist_harness.py (a file:// rendezvous, a
 30 s collective timeout, a hard join timeout: a deadlock fails the test, never hangs it)
-and check their reports together: every rank got exactly what a single-process load gives, and
-the bytes read from disk across the group add up to the selection read exactly once.
+and check their reports together: every rank got exactly what a single-process load gives, the
+bytes read from disk across the group add up to the selection read exactly once, and with
+tensor-parallel slices each rank read its own slices plus its share of the replicated tensors.
 """
 
 from __future__ import annotations
-
 
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from foxhunt_stream.distributed.ownership import (CheckpointMismatch, TensorDesc, assign_owners, exchange_windows,
                                                   plan_exchange)
-
 
 
 # -- pure planning -------------------------------------------------------------------------------
@@ -104,6 +103,27 @@ def test_plan_exchange_broadcasts_only_what_another_rank_wants():
     assert list(e.value.failures) == [1] and "not the same checkpoint" in e.value.failures[1]
 
 
+def test_plan_exchange_leaves_slices_to_their_rank():
+    """Tensor parallel: a tensor every rank wants as its own slice is nobody's to broadcast; each
+    rank reads its slice. A tensor one rank wants whole gets an owner, which reads it whole."""
+    descs = {n: TensorDesc(100 * (i + 1), "m.safetensors", "U8", (100 * (i + 1),), 8 + 1000 * i)
+             for i, n in enumerate(["col", "norm", "row"])}     # 100, 200, 300 bytes
+    sliced = [{"col", "row"}, {"col", "row"}]
+    plans = [plan_exchange([descs, descs], 64, rank, sliced=sliced) for rank in (0, 1)]
+    for rank, plan in enumerate(plans):
+        assert plan.owners == {"norm": 0} and plan.local == ["col", "row"]
+        assert plan.owned == (["norm"] if rank == 0 else [])
+        assert {n for w in plan.windows for n, _, _ in w.segments} == {"norm"}
+    # rank 1 wants "row" whole: its owner (rank 0, the biggest tensor first) reads it whole,
+    # broadcasts it and takes its own slice out of it instead of reading the slice again
+    mixed = [plan_exchange([descs, descs], 64, rank, sliced=[{"col", "row"}, {"col"}]) for rank in (0, 1)]
+    assert mixed[0].owners == mixed[1].owners == {"row": 0, "norm": 1}
+    assert mixed[0].owned == ["row"] and mixed[0].local == ["col"]
+    assert mixed[1].owned == ["norm"] and mixed[1].local == ["col"]
+    sent = [(w.owner, n) for w in mixed[0].windows for n, _, _ in w.segments]
+    assert set(sent) == {(0, "row"), (1, "norm")} and mixed[0].windows == mixed[1].windows
+
+
 # -- collectives over gloo -----------------------------------------------------------------------
 
 torch = pytest.importorskip("torch")
@@ -121,7 +141,7 @@ def test_distributed_load_matches_single_process(tmp_path):
     """World sizes 1, 2 and 3, run side by side (the time is mostly importing torch)."""
     for world, reports, total in collect([start_world(tmp_path, w) for w in (1, 2, 3)]):
         try:
-            check_reports(reports, world, total)
+            check_reports(reports, world, total, ckpt=str(tmp_path / f"world{world}" / "ckpt"))
         except AssertionError as e:
             raise AssertionError(f"world size {world}: {e}") from None
 

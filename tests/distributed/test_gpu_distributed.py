@@ -29,4 +29,4 @@ pytestmark = pytest.mark.gpu
 def test_nccl_two_gpus_match_single_process(tmp_path):
     [(world, reports, total)] = collect([start_world(tmp_path, 2, backend="nccl", device="cuda:{rank}")],
                                         timeout=300)
-    check_reports(reports, world, total)
+    check_reports(reports, world, total, ckpt=str(tmp_path / f"world{world}" / "ckpt"))

@@ -290,9 +290,8 @@ def _save_ceilings(report: Report, tmp: str, dev: Device, chunk: int, reps: int,
 
     def write(m: str, fsync: bool) -> Row:
         what = "mapped copies" if m == "mapped" else "pwrite"
-        name = f"new file, {what}{' + fsync' if fsync else ''} ({threads} threads)"
-        return report.row(name) or add(Row("ceiling", name, nbytes,
-                                           ce.write_ceiling(tmp, nbytes, threads, reps, chunk, m, fsync)))
+        times, who = ce.best_write_ceiling(tmp, nbytes, threads, reps, chunk, m, fsync)
+        return add(Row("ceiling", f"new file, {what}{' + fsync' if fsync else ''} ({who})", nbytes, times))
     d2h = None
     if dev.is_cuda:
         d2h_bytes = max(chunk, min(nbytes, 1 << 30))
@@ -301,7 +300,9 @@ def _save_ceilings(report: Report, tmp: str, dev: Device, chunk: int, reps: int,
 
     def slower(row: Row) -> str:   # a save from a GPU can go no faster than the slower of its legs
         return d2h.name if d2h is not None and d2h.gbps and row.gbps and d2h.gbps < row.gbps else row.name
-    return slower(write(method, False)), slower(write("pwrite", False)), slower(write(method, True))
+    plain = write("pwrite", False)
+    return (slower(plain if method == "pwrite" else write(method, False)), slower(plain),
+            slower(write(method, True)))
 
 
 def _saves(report: Report, source, dev: Device, reps: int, tmp: str, chunk: int, say) -> None:
@@ -326,7 +327,7 @@ def _saves(report: Report, source, dev: Device, reps: int, tmp: str, chunk: int,
         report.rows.append(Row("save", name, nbytes, ce.measure(fn, reps, lambda: ce.settle(out)), ceiling=ceiling,
                                note=note))
     ce.settle(out)
-    del tensors
+    tensors.clear()   # the rows' functions hold the dict: empty it to free the device memory
     _free_gpu(dev)
 
 

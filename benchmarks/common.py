@@ -196,9 +196,10 @@ def proc_status(key: str) -> int:
 
 def _run(cmd: list[str]) -> str:
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return ""
+    return r.stdout.strip() if r.returncode == 0 else ""
 
 
 def machine() -> dict[str, Any]:

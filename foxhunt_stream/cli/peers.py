@@ -110,7 +110,7 @@ def peer_loader(name: str, paths: Sequence[str], device: Device) -> Loader | str
     if name == "fastsafetensors":
         def load():
             with mod.fastsafe_open(files, framework="pt", device=dev, nogds=True) as f:
-                out = {k: f.get_tensor(k) for k in f.keys()}
+                out = {k: f.get_tensor(k).clone() for k in f.keys()}   # its buffers go with the handle
                 sync()
             return out
         return Loader(f"fastsafetensors {version}".strip(), load, "nogds")

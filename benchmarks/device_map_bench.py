@@ -1,150 +1,132 @@
-"""device_map: a checkpoint all on one GPU vs split by layer halves across two, in one process.
+"""One process, two GPUs: the checkpoint all on one GPU against split by ``device_map`` across two.
 
-    python benchmarks/device_map_bench.py /dev/shm/dm --make 15            # 2 GPUs: build 15 GiB, then measure
-    python benchmarks/device_map_bench.py CKPT [--framework pt|cupy] [--repeat 3]
-    python benchmarks/device_map_bench.py CKPT --device-a cpu --device-b cpu --repeat 1   # CPU smoke run
+    python benchmarks/device_map_bench.py CKPT [--repeat 3] [--out DIR]
+    python benchmarks/device_map_bench.py /tmp/ck --size 64MiB --device-a cpu --device-b cpu   # any box
 
-CKPT is a Llama-named checkpoint (file, directory or index.json). ``--make GIB`` builds one there
-first with ``gpu_bench.build_checkpoint`` (bf16, Llama-3-8B shapes: at least ~2.3 GiB).
-Cases, each run once untimed (page cache warm, device pools and allocator caches filled), then
-``--repeat`` timed runs, the best reported:
-  (a) ``device=A``: every tensor on device A;
-  (b) ``device_map``: embeddings + the first half of the layers on A, the rest (+ norm, lm_head) on B.
-Also measured in the same run, per GPU: the pinned host -> device copy ceiling
-(``gpu_bench.ceiling_h2d_d2h``). One landed tensor per device is compared with the file's bytes.
-Prints a markdown table row: GB/s = bytes / seconds / 1e9.
+Cases, each run once untimed (the page cache warm, pools and allocator caches filled; one
+landed tensor per device compared with the file's bytes), then ``--repeat`` timed runs, best
+and median:
+
+- all on A: ``load_file(ckpt, device=A)``;
+- split: ``load_file(ckpt, device_map=...)`` with the embedding and the first half of the
+  layers on A, the rest (the norm and lm_head too) on B; "x all on A" is its rate over all on A's.
+
+Also measured in the same run: the pinned host -> device copy (1 GiB) on each GPU, the ceiling
+of a load onto it. GB/s = tensor bytes / seconds.
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
 import os
 import re
 import sys
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the suite's modules, wherever it runs from
+import common
+from common import GB, Results, ce, median
 
-import gpu_bench  # noqa: E402
-
-import foxhunt_stream as fs  # noqa: E402
-from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
-from foxhunt_stream.cuda.devices import Device, parse_device  # noqa: E402
-from foxhunt_stream.engine.placement import resolve_device_map  # noqa: E402
-
-GB = 1e9
-HEADER = ("| checkpoint GB | all on A GB/s | split A+B GB/s | split / all | H2D ceiling A / B GB/s "
-          "| GB on A / B (split) | A, B |\n|---|---|---|---|---|---|---|")
+import foxhunt_stream as fs
 
 
 def split_map(names: list[str], a: str, b: str) -> dict[str, str]:
-    """Embeddings and the first half of the layers on ``a``, everything else on ``b``."""
+    """The embedding and the first half of the layers on ``a``, everything else on ``b``."""
     layers = sorted({int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))})
     first = layers[:len(layers) // 2]
     return {"model.embed_tokens": a, **{f"model.layers.{i}": a for i in first}, "": b}
 
 
-def sync(devices) -> None:
-    cuda = sorted({d.index for d in devices if d.is_cuda})
-    if cuda:
-        import cupy as cp
-        for i in cuda:
-            cp.cuda.Device(i).synchronize()
+def placement(names: list[str], device_map: dict[str, str]) -> dict[str, str]:
+    """Where ``device_map`` puts each tensor: its longest module prefix in the map ("" matches all)."""
+    def where(name: str) -> str:
+        keys = [k for k in device_map if k == "" or name == k or name.startswith(k + ".")]
+        return device_map[max(keys, key=len)]
+    return {n: where(n) for n in names}
 
 
-def check_bytes(out: dict, ck, placed: dict[str, Device]) -> None:
-    """The middle tensor landed on each device equals the file's bytes (read with plain I/O)."""
-    import numpy as np
-    for dev in sorted(set(placed.values()), key=str):
-        mine = [n for n in out if placed[n] == dev and ck.names[n][1].nbytes]
-        name = mine[len(mine) // 2]
-        f, info = ck.names[name]
-        with open(ck.paths[f], "rb") as fh:
-            fh.seek(ck.headers[f].data_start + info.start)
-            want = fh.read(info.nbytes)
-        v = out[name]
-        if type(v).__module__.startswith("torch"):
-            import torch
-            assert str(v.device) == ("cpu" if not dev.is_cuda else str(dev)), (name, v.device, dev)
-            got = v.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-        elif isinstance(v, np.ndarray):
-            got = v.tobytes()
-        else:
-            import cupy as cp
-            assert v.device.id == dev.index, (name, v.device, dev)
-            got = cp.asnumpy(v).tobytes()
-        assert got == want, f"landed bytes of {name} on {dev} differ from the file"
+def synchronize(devices: set[str]) -> None:
+    for d in devices:
+        common.synchronize(d)
 
 
-def timed(load, devices, repeat: int) -> float:
-    """Best seconds over ``repeat`` runs, after one untimed run."""
-    best = float("inf")
-    for _ in range(repeat):
-        gc.collect()
-        sync(devices)
-        t0 = time.perf_counter()
-        out = load()
-        sync(devices)
-        best = min(best, time.perf_counter() - t0)
-        del out
-    return best
-
-
-def h2d_ceiling(dev: Device) -> float | None:
-    """gpu_bench's pinned host -> device ceiling, run on ``dev`` (None on the host or on failure)."""
-    if not dev.is_cuda:
-        return None
-    import cupy as cp
-    gpu_bench.RESULTS.pop("h2d", None)
-    with cp.cuda.Device(dev.index):
-        gpu_bench.ceiling_h2d_d2h(cp, nbytes=2 << 30)
-    return gpu_bench.RESULTS.get("h2d")
+def check_bytes(out: dict, files: list[str]) -> dict[str, int]:
+    """Per device the bytes landed there; the middle tensor of each device equals the file's bytes."""
+    import torch
+    where: dict[str, list[str]] = {}
+    for name, t in out.items():
+        where.setdefault(str(t.device), []).append(name)
+    headers = {t.name: (p, h, t) for p in files for h in [fs.read_header(p)] for t in h.tensors}
+    for device, names in where.items():
+        path, h, info = headers[names[len(names) // 2]]
+        with open(path, "rb") as f:
+            f.seek(h.data_start + info.start)
+            want = f.read(info.nbytes)
+        got = out[info.name].detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+        assert got == want, f"landed bytes of {info.name} on {device} differ from the file"
+    return {d: sum(out[n].numel() * out[n].element_size() for n in names) for d, names in where.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("ckpt")
-    ap.add_argument("--make", type=float, default=None, metavar="GIB", help="build a checkpoint of this size first")
-    ap.add_argument("--shards", type=int, default=4, help="files of the --make checkpoint")
+    ap = common.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--device-a", default="cuda:0")
     ap.add_argument("--device-b", default="cuda:1")
-    ap.add_argument("--framework", default="pt", choices=["pt", "cupy", "numpy"])
-    ap.add_argument("--repeat", type=int, default=3)
-    a = ap.parse_args(argv)
-    if a.make:
-        gpu_bench.build_checkpoint(a.ckpt, a.make, a.shards)
-    dev_a, dev_b = parse_device(a.device_a), parse_device(a.device_b)
-    ck = open_checkpoint(a.ckpt)
-    names = list(ck.names)
-    total = sum(info.nbytes for _, info in ck.names.values())
-    dm = split_map(names, a.device_a, a.device_b)
-    placed = dict(zip(names, resolve_device_map(names, dm)))
-    halves = resolve_device_map(names, split_map(names, "cuda:0", "cuda:1"))   # which half, even if A == B
-    on_a = sum(ck.names[n][1].nbytes for n, h in zip(names, halves) if h.index == 0)
-    gpu_bench.warm(ck.paths)
-
-    ceilings = [h2d_ceiling(dev_a), h2d_ceiling(dev_b) if dev_b != dev_a else None]
-    cases = {"all": (lambda: fs.load_file(a.ckpt, device=a.device_a, framework=a.framework), {dev_a},
-                     dict.fromkeys(names, dev_a)),
-             "split": (lambda: fs.load_file(a.ckpt, device_map=dm, framework=a.framework), {dev_a, dev_b}, placed)}
-    seconds = {}
-    for case, (load, devices, where) in cases.items():
-        out = load()   # untimed: fills the allocator caches and pinned pools; checked against the file
-        sync(devices)
-        check_bytes(out, ck, where)
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per case (default 3)")
+    args = ap.parse_args(argv)
+    files = common.ensure_checkpoint(args.ckpt, args.size, args.shards)
+    res = Results("device_map", args.out)
+    names = [t.name for p in files for t in fs.read_header(p).tensors]
+    a, b = args.device_a, args.device_b
+    dm = split_map(names, a, b)
+    ce.warm(files)
+    ceilings = {}
+    for d in dict.fromkeys((a, b)):
+        if d != "cpu":
+            import cupy as cp
+            ceilings[d] = (1 << 30) / median(ce.copy_ceiling(cp, int(d.split(":")[1]), 1 << 30, 3)) / GB
+    cases = {f"all on {a}": (lambda: fs.load_file(args.ckpt, device=a, framework="pt"), {a}),
+             f"split: first half on {a}, the rest on {b}": (lambda: fs.load_file(args.ckpt, device_map=dm,
+                                                                                 framework="pt"), {a, b})}
+    rows = [("case", "best s", "median s", "GB/s (best)", "x all on A", "GB per device")]
+    data = {}
+    for name, (load, devices) in cases.items():
+        out = load()
+        synchronize(devices)
+        placed = check_bytes(out, files)
+        nbytes = sum(placed.values())
         del out
-        seconds[case] = timed(load, devices, a.repeat)
-        print(f"{case:6s} best of {a.repeat}: {seconds[case]:.3f} s, {total / seconds[case] / GB:.2f} GB/s", flush=True)
+        times = []
+        for _ in range(args.repeat):
+            times.append(timed(load, devices))
+        first = min(data[next(iter(data))]["seconds"]) if data else min(times)
+        rows.append((name, f"{min(times):.3f}", f"{median(times):.3f}", f"{nbytes / min(times) / GB:.2f}",
+                     f"{first / min(times):.2f}", ", ".join(f"{d} {n / GB:.2f}" for d, n in sorted(placed.items()))))
+        data[name] = {"seconds": times, "placed": placed}
+    res.say(f"{nbytes / GB:.2f} GB in {len(files)} files, hot; best and median of {args.repeat}; pinned "
+            "host -> device ceilings: " + (", ".join(f"{d} {g:.2f} GB/s" for d, g in ceilings.items()) or "none"), "")
+    res.table(rows, right={1, 2, 3, 4})
+    # the same as one Markdown row, for RESULTS.md
+    halves = placement(names, split_map(names, "A", "B"))   # which half, even where A and B are one device
+    on_a = sum(t.nbytes for p in files for t in fs.read_header(p).tensors if halves[t.name] == "A")
+    all_s, split_s = (min(d["seconds"]) for d in data.values())
+    h2d = " / ".join(f"{ceilings[d]:.2f}" if d in ceilings else "-" for d in (a, b))
+    res.say("", "| checkpoint GB | all on A GB/s | split A+B GB/s | split / all | H2D ceiling A / B GB/s "
+                "| GB on A / B (split) | A, B |", "|---|---|---|---|---|---|---|",
+            f"| {nbytes / GB:.2f} | {nbytes / all_s / GB:.2f} | {nbytes / split_s / GB:.2f} | {all_s / split_s:.2f}x "
+            f"| {h2d} | {on_a / GB:.2f} / {(nbytes - on_a) / GB:.2f} | {a}, {b} |")
+    res.data.update(bytes=nbytes, ceilings_GBps=ceilings, cases=data, on_a=on_a)
+    res.save()
+    return {"bytes": nbytes, "GB/s": {k: nbytes / min(v["seconds"]) / GB for k, v in data.items()},
+            "h2d": ceilings, "on_a": on_a}
 
-    rates = {c: total / s / GB for c, s in seconds.items()}
-    ceil = " / ".join("-" if c is None else f"{c:.2f}" for c in ceilings)
-    print(HEADER)
-    print(f"| {total / GB:.2f} | {rates['all']:.2f} | {rates['split']:.2f} | {rates['split'] / rates['all']:.2f}x "
-          f"| {ceil} | {on_a / GB:.2f} / {(total - on_a) / GB:.2f} | {dev_a}, {dev_b} |", flush=True)
-    return {"bytes": total, "GB/s": rates, "h2d": ceilings, "on_a": on_a}
+
+def timed(load, devices: set[str]) -> float:
+    import time
+    synchronize(devices)
+    t0 = time.perf_counter()
+    out = load()
+    synchronize(devices)
+    seconds = time.perf_counter() - t0
+    del out
+    return seconds
 
 
 if __name__ == "__main__":

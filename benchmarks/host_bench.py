@@ -18,7 +18,7 @@ the same run, interleaving the contenders round by round so that both see the sa
 Each save round starts after ``os.sync()`` (and, for "new path", with nothing at the path), so no
 round pays for the previous round's writeback. Prints a Markdown table.
 
-    python benchmarks/host_bench.py --bytes 2GiB --dir /tmp --rounds 5
+    python benchmarks/host_bench.py --bytes 2GiB --dir /tmp --rounds 5 [--out DIR]
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the suite's modules, wherever it runs from
+import common  # noqa: E402  (puts the repository on the path)
 import safetensors.numpy as stn  # noqa: E402
 
 import foxhunt_stream as fs  # noqa: E402
@@ -134,8 +134,7 @@ def raw_write(path: str, tensors, threads: int) -> None:
 
 
 def _tmpfs_with_room(path: str, nbytes: int) -> bool:
-    from foxhunt_stream.io.sink import _in_memory_fs
-    if not os.path.isdir(path) or not _in_memory_fs(path):
+    if not os.path.isdir(path) or common.filesystem(path) not in ("tmpfs", "ramfs"):
         return False
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize > nbytes
@@ -205,6 +204,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rss-child", choices=["foxhunt", "safetensors"], help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help="folder for host.json and host.txt")
     args = ap.parse_args()
     nbytes = parse_size(args.bytes)
     if args.rss_child:
@@ -212,13 +212,15 @@ def main() -> None:
         return
 
     work = tempfile.mkdtemp(prefix="foxhunt-host-bench-", dir=args.dir)
+    res = common.Results("host", args.out)
     try:
-        run(nbytes, work, args.rounds)
+        run(nbytes, work, args.rounds, res)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    res.save()
 
 
-def run(nbytes: int, work: str, rounds: int) -> None:
+def run(nbytes: int, work: str, rounds: int, res: common.Results) -> None:
     threads = fs.settings.merge().threads
     tensors = make_tensors(nbytes)
     total = nbytes_of(tensors)
@@ -316,26 +318,28 @@ def run(nbytes: int, work: str, rounds: int) -> None:
     mem = {lib: rss_growth(lib, nbytes, os.path.join(work, f"rss-{lib}.safetensors"))
            for lib in ("safetensors", "foxhunt")}
 
-    print()
-    print(f"{total / 2**30:.2f} GiB ({total} bytes) of float16 in {n_tensors} Llama-shaped tensors; "
-          f"{threads} threads (the default); median of {rounds} interleaved rounds, [min-max]; "
-          f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
-    print()
-    print("| section | what | GB/s median | [min-max] | vs safetensors (median) |")
-    print("|---|---|---:|---:|---:|")
+    res.say("")
+    res.say(f"{total / 2**30:.2f} GiB ({total} bytes) of float16 in {n_tensors} Llama-shaped tensors; "
+            f"{threads} threads (the default); median of {rounds} interleaved rounds, [min-max]; "
+            f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.")
+    res.say("")
+    res.say("| section | what | GB/s median | [min-max] | vs safetensors (median) |")
+    res.say("|---|---|---:|---:|---:|")
     for section, what, seconds, ratio in rows:
         gbps = sorted(total / x / 1e9 for x in seconds)
-        print(f"| {section} | {what} | {statistics.median(gbps):.2f} | {gbps[0]:.2f}-{gbps[-1]:.2f} | "
-              f"{'' if ratio is None else f'{ratio:.2f}x'} |")
-    print()
-    print("| save, in a fresh process | input | peak RSS growth during the save (target: <= 64 MiB) |")
-    print("|---|---:|---:|")
+        res.say(f"| {section} | {what} | {statistics.median(gbps):.2f} | {gbps[0]:.2f}-{gbps[-1]:.2f} | "
+                f"{'' if ratio is None else f'{ratio:.2f}x'} |")
+    res.say("")
+    res.say("| save, in a fresh process | input | peak RSS growth during the save (target: <= 64 MiB) |")
+    res.say("|---|---:|---:|")
+    res.data.update(bytes=total, threads=threads, rounds=rounds,
+                    rows=[{"section": a, "what": b, "seconds": c} for a, b, c, _ in rows], rss=mem)
     for lib, label in (("safetensors", "safetensors.numpy.save_file"), ("foxhunt", "fs.save_file")):
         inp, growth = mem[lib]
-        print(f"| {label} | {inp / 2**20:.0f} MiB | {growth / 2**20:.1f} MiB |")
-    print()
-    print(f"python {platform.python_version()}, numpy {np.__version__}, safetensors "
-          f"{__import__('safetensors').__version__}, {platform.machine()}, {os.cpu_count()} CPUs")
+        res.say(f"| {label} | {inp / 2**20:.0f} MiB | {growth / 2**20:.1f} MiB |")
+    res.say("")
+    res.say(f"python {platform.python_version()}, numpy {np.__version__}, safetensors "
+            f"{__import__('safetensors').__version__}, {platform.machine()}, {os.cpu_count()} CPUs")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from .. import __version__
 from .. import settings as _settings
 from ..io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..errors import FormatError
+from .text import describe_error, fmt_bytes, table
 
 PROG = "foxhunt-stream"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -45,26 +46,6 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return n
-
-
-def fmt_bytes(n: float) -> str:
-    """Decimal units, like the GB/s figures: 1.07 GB."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n} B"
-
-
-def describe_error(e: BaseException) -> str:
-    """One readable line for any error (FormatError already names file, tensor and rule)."""
-    if isinstance(e, KeyError) and e.args:
-        text = str(e.args[0])
-    elif isinstance(e, (FormatError, OSError, ValueError)):
-        text = str(e)
-    else:
-        text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    return " ".join(text.split())
 
 
 def _source_kind(source: str) -> str:
@@ -118,12 +99,6 @@ def _error_json(source: str, e: BaseException) -> dict[str, Any]:
     return {"source": source, "valid": False, "error": err}
 
 
-def _table(rows: list[Sequence[str]], right: set[int]) -> list[str]:
-    widths = [max(map(len, col)) for col in zip(*rows)]
-    fmt = "  ".join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths))
-    return [fmt.format(*r).rstrip() for r in rows]
-
-
 def cmd_inspect(args) -> int:
     try:
         ck = open_checkpoint(args.source)
@@ -141,13 +116,13 @@ def cmd_inspect(args) -> int:
     rows = [("name", "dtype", "shape", "bytes", "file")]
     rows += [(t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", f"{t['bytes']:,}", t["file"])
              for t in info["tensors"]]
-    out += _table(rows, right={3})
+    out += table(rows, right={3})
     out.append("")
     if len(ck.paths) > 1:
         frows = [("file", "tensors", "bytes", "header")]
         frows += [(os.path.basename(f["path"]), str(f["tensors"]), f"{f['size']:,}", f"{f['header_bytes']:,}")
                   for f in info["files"]]
-        out += _table(frows, right={1, 2, 3}) + [""]
+        out += table(frows, right={1, 2, 3}) + [""]
     by_dtype = ", ".join(f"{k} {v['tensors']} ({fmt_bytes(v['bytes'])})" for k, v in info["dtypes"].items())
     out.append(f"total: {info['total_tensors']:,} tensors, {fmt_bytes(info['total_bytes'])} "
                f"({info['total_bytes']:,} bytes){'; ' + by_dtype if by_dtype else ''}")
@@ -189,10 +164,11 @@ def cmd_bench(args) -> int:
     if args.plot:
         bench.require_matplotlib()   # fail before a long run, not after it
     say = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else None
+    warn = lambda msg: print(f"{PROG} bench: {msg}", file=sys.stderr)   # noqa: E731 - even with --quiet
     options = {"threads": args.threads} if args.threads else {}
     report = bench.run(args.source, device=args.device, size=args.size, shards=args.shards, cold=args.cold,
                        peers=args.peers, reps=args.reps, saves=not args.no_save, workdir=args.workdir, log=say,
-                       **options)
+                       warn=warn, **options)
     print(report.table())
     if args.json:
         bench.write_json(report, args.json)

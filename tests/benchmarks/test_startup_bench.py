@@ -1,110 +1,163 @@
-"""The startup benchmark's own logic (no torch, no GPU): the child programs it generates are
-valid Python for every variant and device, and the summary subtracts the floor per mode."""
+"""The startup benchmark's own logic, without torch or a GPU: the schedule, the figures a start
+yields, the summary and the criteria, and the order a child start does things in."""
 
 from __future__ import annotations
 
-import importlib.util
+import builtins
 import json
 import os
+import subprocess
+import sys
+import types
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "startup_bench.py")
-_spec = importlib.util.spec_from_file_location("startup_bench", _PATH)
-sb = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sb)
+import startup_bench as sb
 
 
-@pytest.mark.parametrize("device", ["cuda:0", "cpu"])
-@pytest.mark.parametrize("variant", sb.VARIANTS)
-def test_child_programs_compile(variant, device):
-    code = sb.child_program(variant, "/models/it's here", device)
-    compile(code, f"<{variant}>", "exec")
-    assert code.rstrip().endswith('flush=True)') and "RESULT " in code
-    if variant in ("2p",) + sb.TRACED:   # prefetch comes before torch is imported
-        assert code.index("fs.prefetch(") < code.index("import torch")
-    if variant in sb.TRACED:   # the trace is replayed first and recorded again after the timing
-        assert "imports='/tmp/foxhunt_startup_imports.txt'" in code
-        assert code.index('T["done"]') < code.index("record_imports(")
-    assert ("torch.cuda.synchronize()" in code) == device.startswith("cuda")
+def test_rounds_interleave_the_variants_and_rotate_their_order():
+    plan = sb.schedule(["floor", "transformers", "foxhunt"], ["hot", "cold"], 3)
+    assert len(plan) == 3 * 2 * 3
+    first = [(m, v) for r, m, v in plan if r == 0]
+    assert first == [("hot", "floor"), ("hot", "transformers"), ("hot", "foxhunt"),
+                     ("cold", "floor"), ("cold", "transformers"), ("cold", "foxhunt")]
+    assert [v for r, m, v in plan if r == 1 and m == "hot"] == ["transformers", "foxhunt", "floor"]
+    for r in range(3):   # every variant once per round and mode
+        for mode in ("hot", "cold"):
+            assert sorted(v for rr, m, v in plan if rr == r and m == mode) == ["floor", "foxhunt", "transformers"]
 
 
-def test_unknown_variant_is_refused():
-    with pytest.raises(ValueError, match="unknown variant"):
-        sb.child_program("4", "/x", "cpu")
+def test_cold_only_variants_stay_out_of_hot_rounds():
+    plan = sb.schedule(["floor", "foxhunt", "foxhunt_no_prefetch"], ["hot", "cold"], 2)
+    assert ("hot", "foxhunt_no_prefetch") not in {(m, v) for _, m, v in plan}
+    assert sum(1 for _, m, v in plan if (m, v) == ("cold", "foxhunt_no_prefetch")) == 2
 
 
 def test_phases_are_differences_between_stamps():
-    stamps = {"start": 10.5, "import_torch": 12.0, "load": 15.0, "done": 15.25}
-    assert sb._phases(10.0, stamps) == {"python_start": 0.5, "import_torch": 1.5, "load": 3.0}
+    stamps = {"start": 10.5, "imports": 20.0, "cuda": 20.5, "model": 21.0, "forward": 21.25}
+    assert sb.phases(10.0, stamps) == {"start": 0.5, "imports": 9.5, "cuda": 0.5, "model": 0.5, "forward": 0.25}
+    with_prefetch = sb.phases(10.0, {"start": 10.1, "prefetch": 10.3, "imports": 20.0, "cuda": 20.5, "model": 21.0})
+    assert with_prefetch["prefetch"] == pytest.approx(0.2) and with_prefetch["imports"] == pytest.approx(9.7)
 
 
-def test_summary_subtracts_each_modes_floor():
-    def run(v, mode, total, load=None):
-        phases = {"python_start": 0.1} | ({"load": load} if load else {})
-        return {"variant": v, "mode": mode, "total_s": total, "phases_s": phases}
-    runs = [run("F", "hot", 10.0), run("F", "hot", 12.0), run("2", "hot", 13.0, load=2.0),
-            run("F", "cold", 20.0), run("2", "cold", 30.0, load=8.0),
-            {"variant": "1", "mode": "hot", "error": "exit 1: boom"}]
-    s = sb.summarize(runs, nbytes=4_000_000_000)
-    assert s["hot"]["F"]["total_s"] == 11.0 and s["hot"]["2"]["minus_floor_s"] == 2.0
-    assert s["hot"]["2"]["load_GBps"] == 2.0
-    assert s["cold"]["2"]["minus_floor_s"] == 10.0 and s["cold"]["2"]["load_GBps"] == 0.5
-    assert s["hot"]["1"] == {"error": "exit 1: boom"} and "1" not in s["cold"]
+def test_a_start_ends_at_its_forward_or_for_the_floor_at_its_model():
+    stamps = {"start": 1.0, "imports": 9.0, "cuda": 9.5, "model": 10.0, "forward": 10.5}
+    assert sb.measured(0.0, stamps) == {"total_s": 10.5, "after_cuda_s": 1.0}
+    del stamps["forward"]
+    assert sb.measured(0.0, stamps) == {"total_s": 10.0, "after_cuda_s": 0.5}
 
 
-def test_prefetch_tuning_reaches_the_traced_variants_only():
-    code = sb.child_program("2t", "/d", "cpu", tune="threads=4", step=16 << 20)
-    compile(code, "<2t>", "exec")
-    assert "threads=4)" in code and "PACED_BYTES = 16777216" in code
-    assert code.index("PACED_BYTES") < code.index("fs.prefetch(")
-    assert "threads=4" not in sb.child_program("2", "/d", "cpu", tune="threads=4")
+def test_the_deadline_stops_a_start_that_would_end_past_it():
+    runs = [{"mode": "hot", "variant": "floor", "wall_s": 11.0},
+            {"mode": "hot", "variant": "transformers", "wall_s": 15.0}]
+    assert sb.estimate(runs, "hot", "floor") == 11.0
+    assert sb.estimate(runs, "hot", "foxhunt") == 15.0          # not seen yet: the longest of the mode
+    assert sb.estimate(runs, "cold", "floor") == 60.0           # nothing seen: the default
+    assert not sb.should_stop(100.0, 15.0, None)
+    assert not sb.should_stop(100.0, 15.0, 120.0)
+    assert sb.should_stop(110.0, 15.0, 120.0)
 
 
-def _print_runs():
-    spec = importlib.util.spec_from_file_location("print_runs", os.path.join(os.path.dirname(_PATH), "print_runs.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _run(mode, variant, total, after=None, error=None):
+    if error:
+        return {"mode": mode, "variant": variant, "error": error}
+    return {"mode": mode, "variant": variant, "total_s": total,
+            "after_cuda_s": after if after is not None else total / 10,
+            "phases_s": {"start": 0.1, "imports": total - 0.1}}
 
 
-def test_print_runs_lists_each_run_with_its_side_measurements(tmp_path, capsys):
-    print_runs = _print_runs()
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps({"runs": [
-        {"mode": "hot", "variant": "2s", "total_s": 14.05, "phases_s": {"import_torch": 3.8, "forward": 0.826},
-         "bg_load_s": 0.663, "fwd_layer_first_s": 0.473},
-        {"mode": "cold", "variant": "1", "error": "exit 1: boom"}]}))
-    assert print_runs.main([str(path), str(tmp_path / "absent.json")]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("hot 2s 14.05 import_torch 3.800 forward 0.826")
-    assert "'bg_load_s': 0.663" in lines[0] and "'fwd_layer_first_s': 0.473" in lines[0]
-    assert lines[1].startswith("cold 1 0") and lines[1].endswith("exit 1: boom") and len(lines) == 2
+def test_summary_takes_medians_per_mode_and_keeps_the_last_error():
+    runs = [_run("hot", "floor", 10.0), _run("hot", "floor", 12.0), _run("hot", "floor", 11.0),
+            _run("cold", "floor", 14.0), _run("hot", "foxhunt", 0, error="exit 1: boom"),
+            _run("hot", "foxhunt", 0, error="exit 1: bang")]
+    s = sb.summarize(runs)
+    assert list(s) == ["hot", "cold"]
+    assert s["hot"]["floor"]["total_s"] == 11.0 and s["hot"]["floor"]["runs"] == 3
+    assert s["hot"]["floor"]["phases_s"]["imports"] == pytest.approx(10.9)
+    assert s["hot"]["foxhunt"] == {"error": "exit 1: bang"}
+    assert "foxhunt" not in s["cold"]
 
 
-def test_early_variants_start_the_load_before_building_the_model():
-    for v in sb.EARLY:
-        code = sb.child_program(v, "/d", "cuda:0")
-        assert code.index("fs.torch.load_file(") < code.index("model = meta_model()") < code.index("load_model(")
-    code = sb.child_program("2s", "/d", "cuda:0")
-    assert code.index("model = meta_model()") < code.index("fs.torch.load_file(")
-    assert "names=natural_order(DIR)" in sb.child_program("2en", "/d", "cuda:0")
+def test_criteria_compare_with_the_floor_of_the_same_mode():
+    runs = [_run("hot", "floor", 10.0, 0.4), _run("hot", "transformers", 14.0, 3.7),
+            _run("hot", "foxhunt", 10.9, 1.1), _run("cold", "floor", 13.0, 0.5),
+            _run("cold", "transformers", 23.0, 9.0), _run("cold", "foxhunt", 16.0, 1.5)]
+    c = sb.criteria(sb.summarize(runs))
+    hot, cold = c["hot"]["total_s"], c["cold"]["total_s"]
+    assert c["hot"]["bar"] == 0.25 and c["cold"]["bar"] == 0.2
+    assert hot["foxhunt_minus_F"] == pytest.approx(0.9) and hot["limit"] == pytest.approx(1.0) and hot["met"]
+    assert cold["foxhunt_minus_F"] == pytest.approx(3.0) and cold["limit"] == pytest.approx(2.0) and not cold["met"]
+    assert c["hot"]["after_cuda_s"]["ratio"] == pytest.approx(0.7 / 3.3)
+    lines = sb.report_lines(sb.summarize(runs), c, 16_060_000_000, "cuda:0")
+    assert any(line.startswith("hot, spawn to first forward (the criterion): foxhunt - F = +0.90 s")
+               and line.endswith("met (ratio 0.23)") for line in lines)
+    assert any(line.startswith("cold, spawn to first forward") and "missed" in line for line in lines)
 
 
-def test_natural_order_puts_layer_2_before_layer_10(tmp_path):
-    names = ["model.layers.10.mlp.weight", "model.layers.2.mlp.weight", "model.norm.weight",
-             "model.layers.2.attn.weight", "lm_head.weight", "model.embed_tokens.weight"]
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "a" for n in names}}))
-    scope: dict = {"json": json}
-    exec(sb.NATURAL_ORDER, scope)
-    assert scope["natural_order"](str(tmp_path)) == [
-        "lm_head.weight", "model.embed_tokens.weight", "model.layers.2.attn.weight", "model.layers.2.mlp.weight",
-        "model.layers.10.mlp.weight", "model.norm.weight"]
+def test_no_criteria_without_all_three_variants():
+    runs = [_run("hot", "floor", 10.0), _run("hot", "transformers", 14.0), _run("hot", "foxhunt", 0, error="x")]
+    assert sb.criteria(sb.summarize(runs)) == {}
 
 
-def test_layer_line_shows_where_the_forward_waited():
-    print_runs = _print_runs()
-    landed = [0.1 * i for i in range(8)]
-    fwd = [t + (0.3 if i == 5 else 0.01) for i, t in enumerate(landed)]
-    line = print_runs.layer_line(landed, fwd)
-    assert "0:0.000/0.010" in line and "7:0.700/0.710" in line and line.endswith("largest lag 0.300")
+def test_child_arguments():
+    assert sb.child_args(["foxhunt", "/m", "--device", "cuda:1", "--prefetch"]) == ("foxhunt", "/m", "cuda:1", True)
+    assert sb.child_args(["floor", "/m"]) == ("floor", "/m", "cuda:0", False)
+    with pytest.raises(SystemExit, match="usage"):
+        sb.child_args(["2s16", "/m"])
+
+
+def test_a_cold_start_prefetches_before_anything_is_imported(monkeypatch, capsys):
+    """The order of a child start, with torch and transformers stood in for: the prefetch is the
+    program's first statement, the imports come after it, the forward after the model."""
+    order = []
+    real_import = builtins.__import__
+    fake = types.ModuleType("fake")
+
+    def importer(name, *args, **kwargs):
+        if name in ("torch", "transformers"):
+            order.append(f"import {name}")
+            return fake
+        return real_import(name, *args, **kwargs)
+    import foxhunt_stream as fs
+    monkeypatch.setattr(fs, "prefetch", lambda d: order.append(f"prefetch {d}"), raising=False)
+    monkeypatch.setattr(builtins, "__import__", importer)
+    monkeypatch.setattr(sb, "start_cuda", lambda device: order.append("cuda"))
+    monkeypatch.setitem(sb.BUILDERS, "foxhunt", lambda d, dev, notes: order.append("model") or "the model")
+    monkeypatch.setattr(sb, "forward", lambda model, device: order.append(f"forward {model}"))
+    sb.child_main(["foxhunt", "/m", "--device", "cpu", "--prefetch"])
+    assert order == ["prefetch /m", "import torch", "import transformers", "cuda", "model", "forward the model"]
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1][len("RESULT "):])
+    stamps = result["stamps"]
+    assert list(stamps) == ["start", "prefetch", "imports", "cuda", "model", "forward"]
+    assert sorted(stamps.values()) == list(stamps.values())
+
+
+def test_a_hot_start_does_not_prefetch(monkeypatch, capsys):
+    import foxhunt_stream as fs
+    monkeypatch.setattr(fs, "prefetch", lambda d: pytest.fail("prefetched"), raising=False)
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    monkeypatch.setitem(sys.modules, "transformers", types.ModuleType("transformers"))
+    monkeypatch.setattr(sb, "start_cuda", lambda device: None)
+    monkeypatch.setitem(sb.BUILDERS, "floor", lambda d, dev, notes: None)
+    sb.child_main(["floor", "/m", "--device", "cpu"])
+    stamps = json.loads(capsys.readouterr().out.strip()[len("RESULT "):])["stamps"]
+    assert "prefetch" not in stamps and "forward" not in stamps and "model" in stamps
+
+
+def test_startup_on_the_cpu_end_to_end(tmp_path):
+    """A real run, one hot round on the CPU with a small model: the checkpoint and config load in
+    transformers and every figure comes out (needs torch and transformers)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(sb.__file__)))
+    r = subprocess.run([sys.executable, sb.__file__, str(tmp_path / "ck"), "--size", "24MiB", "--device", "cpu",
+                        "--modes", "hot", "--rounds", "1", "--variants", "floor,transformers", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((out / "startup.json").read_text())
+    hot = data["summary"]["hot"]
+    assert set(hot) == {"floor", "transformers"}, hot
+    assert hot["transformers"]["phases_s"]["forward"] > 0 and "forward" not in hot["floor"]["phases_s"]
+    assert data["machine"]["hardware"].startswith("no GPU;") and data["machine"]["commit"]
+    assert "spawn to the first forward" in (out / "startup.txt").read_text()

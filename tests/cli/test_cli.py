@@ -336,51 +336,6 @@ def test_reshard_refuses_to_overwrite(sharded, ckpt, tmp_path):
     assert r.returncode == 1 and "holds the source" in r.stderr
 
 
-# ---------------------------------------------------------------- bench
-
-def test_bench_runs_and_prints_the_table(tmp_path):
-    out = tmp_path / "bench.json"
-    args = ["bench", "--device", "cpu", "--size", "16MiB", "--reps", "1", "--shards", "2", "--workdir",
-            str(tmp_path), "--json", str(out)]
-    try:
-        import matplotlib  # noqa: F401
-        args += ["--plot", str(tmp_path / "bench.png")]
-    except ImportError:
-        pass
-    r = run(*args)
-    assert r.returncode == 0, r.stderr
-    for row in ("host memcpy", "page cache -> host", "foxhunt_stream load_file", "safetensors.numpy load_file",
-                "foxhunt_stream save_file", "safetensors.numpy save_file", "GB/s", "x ceiling"):
-        assert row in r.stdout
-    report = json.loads(out.read_text())
-    assert report["device"] == "cpu" and report["checkpoint"]["files"] == 2
-    assert 0.9 * 16 * 2**20 < report["checkpoint"]["bytes"] <= 16 * 2**20
-    rows = {row["name"]: row for row in report["rows"]}
-    load = rows["foxhunt_stream load_file"]
-    assert load["gbps"] > 0 and load["ratio_to_ceiling"] > 0 and len(load["seconds"]) == 1
-    assert load["gbps"] == pytest.approx(load["nbytes"] / load["median_s"] / 1e9)
-    if "--plot" in args:
-        assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(os.listdir(tmp_path)) == sorted(p for p in ("bench.json", "bench.png") if (tmp_path / p).exists())
-
-
-def test_bench_on_a_given_checkpoint_without_saves(sharded):
-    r = run("bench", str(sharded), "--reps", "1", "--no-save", "-q")
-    assert r.returncode == 0, r.stderr
-    assert "foxhunt_stream load_file" in r.stdout and "save_file" not in r.stdout
-    assert r.stderr == ""
-
-
-def test_bench_on_a_missing_gpu_is_a_clear_error():
-    try:
-        import cupy  # noqa: F401
-        pytest.skip("cupy present")
-    except ImportError:
-        pass
-    r = run("bench", "--device", "cuda:0", "--size", "1MiB")
-    assert r.returncode == 1 and "cupy" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-
-
 # ---------------------------------------------------------------- progress bars
 
 def test_progress_bars_only_when_asked_or_on_a_terminal(tmp_path):

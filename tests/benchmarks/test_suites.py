@@ -1,0 +1,178 @@
+"""The benchmark suites' shared pieces and the runner, on the CPU: the checkpoint they write, the
+plans and helpers they use, and a runner that goes on past a suite that fails."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import common
+import disk_bench
+import load_bench
+import run as runner
+import tp_bench
+
+import foxhunt_stream as fs
+
+
+def test_16gb_is_llama_3_8b():
+    config = common.llama_config(16e9)
+    assert config["num_hidden_layers"] == 32 and config["hidden_size"] == 4096
+    assert config["num_key_value_heads"] == 8 and config["vocab_size"] == 128256
+    assert config["model_type"] == "llama" and config["torch_dtype"] == "bfloat16"
+    total = sum(2 * math.prod(s) for _, s in common.config_shapes(config))
+    assert total == 16_060_522_496   # 14.96 GiB
+    shapes = dict(common.config_shapes(config))
+    assert shapes["model.layers.31.self_attn.k_proj.weight"] == (1024, 4096)
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (14336, 4096)
+
+
+@pytest.mark.parametrize("size", [16 << 20, 64 << 20, 1 << 30, 8e9])
+def test_the_config_comes_close_to_the_size_asked(size):
+    total = sum(2 * math.prod(s) for _, s in common.config_shapes(common.llama_config(int(size))))
+    assert 0.75 * size < total < 1.25 * size
+
+
+def test_ensure_checkpoint_writes_once_and_reuses(tmp_path):
+    d = str(tmp_path / "ck")
+    files = common.ensure_checkpoint(d, "8MiB", shards=3)
+    assert [os.path.basename(f) for f in files] == [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    config = json.loads((tmp_path / "ck" / "config.json").read_text())
+    index = json.loads((tmp_path / "ck" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(n for n, _ in common.config_shapes(config))
+    stamp = os.path.getmtime(files[0])
+    assert common.ensure_checkpoint(d, "8MiB", shards=3) == files and os.path.getmtime(files[0]) == stamp
+    assert common.ensure_checkpoint(d) == files                       # no size: whatever is there
+    again = common.ensure_checkpoint(d, "8MiB", shards=2)              # another layout: written again
+    assert len(again) == 2 and not os.path.exists(files[2])
+
+
+def test_ensure_checkpoint_leaves_a_foreign_checkpoint_alone(tmp_path):
+    fs.save_file({"w": np.ones(4, np.float32)}, tmp_path / "model.safetensors")
+    with pytest.raises(SystemExit, match="did not write"):
+        common.ensure_checkpoint(str(tmp_path), "8MiB")
+    assert common.ensure_checkpoint(str(tmp_path)) == [str(tmp_path / "model.safetensors")]
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        common.ensure_checkpoint(str(tmp_path / "empty"))
+
+
+def test_hardware_is_described_as_hardware():
+    m = {"gpus": ["NVIDIA H200, 5, 16"], "cpus": 16, "mem_gib": 125.8}
+    assert common.hardware(m) == "1x NVIDIA H200, PCIe Gen5 x16; 16 CPUs, 125.8 GiB RAM"
+    assert common.hardware({"gpus": [], "cpus": 2, "mem_gib": 23.5}) == "no GPU; 2 CPUs, 23.5 GiB RAM"
+
+
+def test_interleaved_rounds_rotate_and_time_every_case():
+    seen = []
+    times = common.interleaved({"a": lambda: seen.append("a"), "b": lambda: seen.append("b"),
+                                "c": lambda: seen.append("c")}, 2, "cpu")
+    assert seen == ["a", "b", "c", "a", "b", "c", "b", "c", "a"]   # one warm-up each, then rotated rounds
+    assert {k: len(v) for k, v in times.items()} == {"a": 2, "b": 2, "c": 2}
+
+
+def test_the_llama_plan_splits_what_a_serving_stack_splits():
+    shard = fs.Shard(0, 8, tp_bench.LLAMA_PLAN)
+    assert shard.dim_for("model.embed_tokens.weight") == 0 and shard.dim_for("lm_head.weight") == 0
+    for w in ("q_proj", "k_proj", "v_proj"):
+        assert shard.dim_for(f"model.layers.3.self_attn.{w}.weight") == 0
+    assert shard.dim_for("model.layers.3.self_attn.o_proj.weight") == 1
+    assert shard.dim_for("model.layers.3.mlp.gate_proj.weight") == 0
+    assert shard.dim_for("model.layers.3.mlp.up_proj.weight") == 0
+    assert shard.dim_for("model.layers.3.mlp.down_proj.weight") == 1
+    assert shard.dim_for("model.layers.3.input_layernorm.weight") is None
+    assert shard.dim_for("model.norm.weight") is None
+    shapes = {"w": (8, 4), "norm": (4,)}
+    rows, cols = (p for name, p in tp_bench.plans(shapes).items() if not name.startswith("Llama"))
+    assert (rows("w"), rows("norm"), cols("w"), cols("norm")) == (0, None, 1, None)
+
+
+def test_peer_names():
+    assert load_bench.peer_names("none") == []
+    assert load_bench.peer_names("all") == list(load_bench.PEERS)
+    assert load_bench.peer_names("safetensors, fastsafetensors") == ["safetensors", "fastsafetensors"]
+    with pytest.raises(SystemExit, match="unknown peer"):
+        load_bench.peer_names("safetensors,pickle")
+
+
+def test_check_sample_compares_with_the_file(tmp_path):
+    files = common.ensure_checkpoint(str(tmp_path), "4MiB", shards=2)
+    out = fs.load_file(str(tmp_path))
+    load_bench.check_sample(out, files)
+    name = fs.read_header(files[0]).tensors[len(fs.read_header(files[0]).tensors) // 2].name
+    out[name] = out[name].copy()
+    out[name].reshape(-1)[0] += 1
+    with pytest.raises(AssertionError, match="differ"):
+        load_bench.check_sample(out, files)
+
+
+def test_disk_probe_while_streaming(tmp_path):
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"f{i}.bin"
+        p.write_bytes(os.urandom(2 << 20))
+        paths.append(str(p))
+    r = disk_bench.stream_and_probe(paths[:2], paths[2], 2, 1 << 20, "rp", 0.4)
+    assert r["n"] > 5 and r["GBps"] > 0 and r["p50"] <= r["p99"] <= r["max"]
+
+
+def test_disk_rate_reads_every_byte(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(disk_bench.ce, "drop_caches", lambda files, whole_cache=False: calls.append(whole_cache))
+    files = common.ensure_checkpoint(str(tmp_path / "ck"), "4MiB", shards=2)
+    res = common.Results("disk", str(tmp_path / "out"))
+
+    class Args:
+        readers, step = "1,2", "1MiB"
+    disk_bench.rate(Args, files, res)
+    assert calls == [True, True] and set(res.data["seconds_by_readers"]) == {1, 2}
+
+
+# ---------------------------------------------------------------- the runner
+
+def test_every_suite_runs_a_script_that_exists():
+    for name, suite in runner.SUITES.items():
+        for cmd in suite.commands:
+            scripts = [part for part in cmd if part.endswith(".py")]
+            assert all(os.path.exists(s) for s in scripts), (name, scripts)
+
+
+def test_fill_drops_empty_parts():
+    assert runner.fill(["a", "{x}", "--out", "{out}"], {"x": "", "out": "/o"}) == ["a", "--out", "/o"]
+
+
+def test_the_runner_goes_on_past_a_suite_that_fails_or_runs_out_of_time(tmp_path, monkeypatch, capsys):
+    py = sys.executable
+    monkeypatch.setitem(runner.SUITES, "boom", runner.Suite("fails", [[py, "-c", "raise SystemExit(3)"]], 60,
+                                                            needs_ckpt=False))
+    monkeypatch.setitem(runner.SUITES, "slow", runner.Suite("too slow", [[py, "-c", "import time; time.sleep(60)"]],
+                                                            2, needs_ckpt=False))
+    monkeypatch.setitem(runner.SUITES, "fine", runner.Suite("works", [[py, "-c", "print('all good')"]], 60,
+                                                            needs_ckpt=False))
+    out = tmp_path / "out"
+    code = runner.main(["boom", "slow", "fine", "--out", str(out), "--peer-wheels", str(tmp_path / "none")])
+    assert code == 1
+    summary = (out / "summary.txt").read_text()
+    assert "boom     failed: exit 3" in summary and "slow     stopped: out of time" in summary
+    assert "fine     ok" in summary
+    assert "all good" in (out / "fine.log").read_text()
+    assert json.loads((out / "machine.json").read_text())["hardware"]
+
+
+def test_the_runner_on_the_cpu(tmp_path):
+    """Two real suites on a small checkpoint: each writes its table and its figures."""
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    code = runner.main(["load", "tp", "--device", "cpu", "--size", "16MiB", "--ckpt", str(ck), "--out", str(out),
+                        "--peer-wheels", str(tmp_path / "none")])
+    assert code == 0
+    summary = (out / "summary.txt").read_text()
+    assert "load     ok" in summary and "tp       ok" in summary
+    load = json.loads((out / "load.json").read_text())
+    assert load["loads"]["foxhunt_stream load_file"]["seconds"] and load["bytes"] > 0.7 * (16 << 20)
+    tp = json.loads((out / "tp.json").read_text())
+    assert set(tp["fraction"]) == {"full load", *tp_bench.plans({}).keys()}
+    assert tp["landed"]["rows (every 2-D tensor along dim 0)"] < tp["landed"]["full load"] / 4

@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import ChecksumError, DeviceError, DeviceOutOfMemoryError, FormatError, StoreMismatchError
+from .errors import (ChecksumError, DeviceError, DeviceOutOfMemoryError, FormatError, SafetensorError,
+                     StoreMismatchError)
 
 __version__ = "0.1.0"
 
@@ -28,7 +29,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
+    "SafetensorError", "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
     "safe_open", "load_file", "load_into", "save_file", "TPSlice", "Shard", "LoadHandle", "read_header", "clean_stale_temps",
     "settings", "__version__", "prefetch", "PrefetchHandle", "warmup", "ChecksumError", "verify", "VerifyReport",
     "DistributedLoadError", "WarmupHandle", "record_imports",

@@ -26,6 +26,8 @@ _LAZY = {
     "PrefetchHandle": "startup.prefetch", "prefetch": "startup.prefetch", "warmup": "startup.warmup",
     "WarmupHandle": "startup.warmup", "record_imports": "startup.importtrace", "save_file": "engine.saver",
     "Shard": "format.tp", "TPSlice": "format.tp", "clean_stale_temps": "io.sink",
+    # safetensors exports this one under a private-looking name: public API there, and here
+    "_safe_open_handle": "engine.safe_open:safe_open_handle",
 }
 
 __all__ = [
@@ -55,7 +57,8 @@ if TYPE_CHECKING:   # what static tools see; at run time these load lazily
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is not None:
-        value = getattr(importlib.import_module(f".{module}", __name__), name)
+        module, _, attr = module.partition(":")   # "module:attr" where the names differ
+        value = getattr(importlib.import_module(f".{module}", __name__), attr or name)
         globals()[name] = value   # next time: a plain attribute
         return value
     if not name.startswith("_"):

@@ -1,8 +1,9 @@
-"""Checkpoints in memory: a source over a buffer, read in place, with the interface the loader
-uses for files (``io.source.FileSource``), and the header of such a buffer, validated as a file's.
+"""Checkpoints in memory, through the interfaces the loader and the saver use for files: a source
+over a buffer, read in place (``io.source.FileSource``'s interface), the validated header of such
+a buffer, and a sink that writes into a bytearray (``io.sink.AtomicFile``'s).
 
-``safe_open`` of a ``memoryview``, a ``bytearray`` or a ``BytesIO``, and the ``load(data)`` of
-``foxhunt_stream.numpy`` and ``foxhunt_stream.torch``, read through it.
+``safe_open`` of a ``memoryview``, a ``bytearray`` or a ``BytesIO``, ``load(data)`` and
+``save(tensors) -> bytes`` of ``foxhunt_stream.numpy`` and ``foxhunt_stream.torch`` go through them.
 """
 
 from __future__ import annotations
@@ -64,6 +65,29 @@ class MemorySource:
 
     def close(self) -> None:
         self._array = np.empty(0, np.uint8)   # lets go of the caller's buffer
+
+
+class MemorySink:
+    """The sink interface of ``io.sink.AtomicFile`` over a bytearray of the planned size."""
+
+    backend = "memory"
+
+    def __init__(self, size: int) -> None:
+        self.buffer = bytearray(size)
+        self._view: np.ndarray | None = np.frombuffer(self.buffer, np.uint8)
+
+    def write_at(self, data, offset: int) -> None:
+        """Copy all of ``data`` (any contiguous buffer) to ``offset``."""
+        src = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+        if offset + src.size > self._view.size:
+            raise ValueError("write past the planned end of the buffer")
+        self._view[offset:offset + src.size] = src
+
+    def commit(self) -> None:
+        self._view = None   # the buffer is complete; it may be handed out (and grow) now
+
+    def abort(self) -> None:
+        self._view = None
 
 
 class ReadableSource(Protocol):

@@ -25,13 +25,15 @@ _LAZY = {
     "load_file": "api", "load_into": "engine.loader", "safe_open": "engine.safe_open",
     "PrefetchHandle": "startup.prefetch", "prefetch": "startup.prefetch", "warmup": "startup.warmup",
     "WarmupHandle": "startup.warmup", "record_imports": "startup.importtrace", "save_file": "engine.saver",
-    "Shard": "format.tp", "TPSlice": "format.tp", "clean_stale_temps": "io.sink",
+    "Shard": "format.tp", "TPSlice": "format.tp", "clean_stale_temps": "io.sink", "TensorSpec": "engine.serialize",
+    "serialize": "engine.serialize", "serialize_file": "engine.serialize", "deserialize": "engine.serialize",
     # safetensors exports this one under a private-looking name: public API there, and here
     "_safe_open_handle": "engine.safe_open:safe_open_handle",
 }
 
 __all__ = [
     "SafetensorError", "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
+    "TensorSpec", "serialize", "serialize_file", "deserialize",
     "safe_open", "load_file", "load_into", "save_file", "TPSlice", "Shard", "LoadHandle", "read_header", "clean_stale_temps",
     "settings", "__version__", "prefetch", "PrefetchHandle", "warmup", "ChecksumError", "verify", "VerifyReport",
     "DistributedLoadError", "WarmupHandle", "record_imports",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:   # what static tools see; at run time these load lazily
     from .startup.prefetch import PrefetchHandle, prefetch
     from .startup.warmup import WarmupHandle, warmup
     from .engine.saver import save_file
+    from .engine.serialize import TensorSpec, deserialize, serialize, serialize_file
     from .format.tp import Shard, TPSlice
     from .io.sink import clean_stale_temps
 

@@ -16,8 +16,10 @@ import numpy as np
 
 from . import api
 from .engine.safe_open import safe_open
+from .engine.serialize import TensorSpec, deserialize, serialize, serialize_file
 
-__all__ = ["save", "save_file", "load", "load_file", "safe_open"]
+__all__ = ["save", "save_file", "load", "load_file", "safe_open", "TensorSpec", "serialize", "serialize_file",
+           "deserialize"]
 
 
 def save(tensor_dict: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:

@@ -3,7 +3,8 @@
 
 Same names, arguments and results as ``safetensors`` 0.8.0. The bytes are written by the saver
 (``save_bytes`` / ``save_file``: byte-identical output, the file written atomically, the GIL
-released while it is written), so a spec is read straight from its memory.
+released while it is written), which reads a spec straight from its memory: a host address,
+valid while the call runs, as in the reference.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import numpy as np
 from ..errors import SafetensorError, UnsupportedTypeError
 from ..format.dtypes import DType, from_torch, nbytes
 from ..io.memory import buffer_header
-from . import saver
 
 # safetensors' dtype names (torch's spelling, which numpy's ``dtype.name`` shares), in its order
 _NAMES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
@@ -81,20 +81,21 @@ class TensorSpec:
         return (f"TensorSpec(dtype={self.dtype!r}, shape={self._shape}, data_ptr={self._data_ptr}, "
                 f"data_len={self._data_len})")
 
-    def raw(self, name: str) -> saver.RawTensor:
-        """The bytes it points at, as the saver takes raw tensors (no copy)."""
+    def raw(self, name: str):
+        """The bytes it points at, as the saver's RawTensor (no copy)."""
+        from .saver import RawTensor   # imported by saves only
         if nbytes(self._dtype, tuple(self._shape)) != self._data_len:
             raise SafetensorError(f"Error while serializing: invalid shape, data type, or offset for tensor {name!r}: "
                                   f"{self.dtype}{self._shape} is not {self._data_len} bytes")
         if not self._data_len:
-            return saver.RawTensor(self._dtype, tuple(self._shape), np.empty(0, np.uint8))
+            return RawTensor(self._dtype, tuple(self._shape), np.empty(0, np.uint8))
         if not self._data_ptr:
             raise SafetensorError(f"Error while serializing: tensor {name!r} has a null data_ptr")
         data = np.ctypeslib.as_array((ctypes.c_ubyte * self._data_len).from_address(self._data_ptr))
-        return saver.RawTensor(self._dtype, tuple(self._shape), data)
+        return RawTensor(self._dtype, tuple(self._shape), data)
 
 
-def _raw_tensors(tensor_dict: Any, metadata: Any) -> dict[str, saver.RawTensor]:
+def _raw_tensors(tensor_dict: Any, metadata: Any) -> dict[str, Any]:
     if not isinstance(tensor_dict, Mapping):
         raise TypeError(f"tensor_dict must be a dict of str to TensorSpec, got {type(tensor_dict).__name__}")
     for name, spec in tensor_dict.items():
@@ -109,12 +110,14 @@ def _raw_tensors(tensor_dict: Any, metadata: Any) -> dict[str, saver.RawTensor]:
 
 def serialize(tensor_dict: Mapping[str, TensorSpec], metadata: Mapping[str, str] | None = None) -> bytes:
     """The bytes of a safetensors file holding ``tensor_dict`` (and ``metadata``)."""
+    from . import saver
     return saver.save_bytes(_raw_tensors(tensor_dict, metadata), metadata)
 
 
 def serialize_file(tensor_dict: Mapping[str, TensorSpec], filename: str | os.PathLike,
                    metadata: Mapping[str, str] | None = None) -> None:
     """Write ``tensor_dict`` (and ``metadata``) as a safetensors file at ``filename``, atomically."""
+    from . import saver
     saver.save_file(_raw_tensors(tensor_dict, metadata), filename, metadata)
 
 

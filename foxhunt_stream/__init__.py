@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import ChecksumError, DeviceError, DeviceOutOfMemoryError, FormatError, StoreMismatchError
+from .errors import (ChecksumError, DeviceError, DeviceOutOfMemoryError, FormatError, SafetensorError,
+                     StoreMismatchError)
 
 __version__ = "0.1.0"
 
@@ -24,11 +25,15 @@ _LAZY = {
     "load_file": "api", "load_into": "engine.loader", "safe_open": "engine.safe_open",
     "PrefetchHandle": "startup.prefetch", "prefetch": "startup.prefetch", "warmup": "startup.warmup",
     "WarmupHandle": "startup.warmup", "record_imports": "startup.importtrace", "save_file": "engine.saver",
-    "Shard": "format.tp", "TPSlice": "format.tp", "clean_stale_temps": "io.sink",
+    "Shard": "format.tp", "TPSlice": "format.tp", "clean_stale_temps": "io.sink", "TensorSpec": "engine.serialize",
+    "serialize": "engine.serialize", "serialize_file": "engine.serialize", "deserialize": "engine.serialize",
+    # safetensors exports this one under a private-looking name: public API there, and here
+    "_safe_open_handle": "engine.safe_open:safe_open_handle",
 }
 
 __all__ = [
-    "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
+    "SafetensorError", "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
+    "TensorSpec", "serialize", "serialize_file", "deserialize",
     "safe_open", "load_file", "load_into", "save_file", "TPSlice", "Shard", "LoadHandle", "read_header", "clean_stale_temps",
     "settings", "__version__", "prefetch", "PrefetchHandle", "warmup", "ChecksumError", "verify", "VerifyReport",
     "DistributedLoadError", "WarmupHandle", "record_imports",
@@ -47,6 +52,7 @@ if TYPE_CHECKING:   # what static tools see; at run time these load lazily
     from .startup.prefetch import PrefetchHandle, prefetch
     from .startup.warmup import WarmupHandle, warmup
     from .engine.saver import save_file
+    from .engine.serialize import TensorSpec, deserialize, serialize, serialize_file
     from .format.tp import Shard, TPSlice
     from .io.sink import clean_stale_temps
 
@@ -54,7 +60,8 @@ if TYPE_CHECKING:   # what static tools see; at run time these load lazily
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is not None:
-        value = getattr(importlib.import_module(f".{module}", __name__), name)
+        module, _, attr = module.partition(":")   # "module:attr" where the names differ
+        value = getattr(importlib.import_module(f".{module}", __name__), attr or name)
         globals()[name] = value   # next time: a plain attribute
         return value
     if not name.startswith("_"):

@@ -1,11 +1,45 @@
-"""Exception types. Every malformed-file problem is a FormatError naming file, rule and tensor."""
+"""Exception types. Every malformed-file problem is a FormatError naming file, rule and tensor.
+
+``SafetensorError`` is the base of every error raised where ``safetensors`` raises its own
+``SafetensorError``, so that code written against the reference catches ours. Each subclass also
+keeps the builtin type it had before (ValueError, KeyError, IndexError...) as a second base.
+Where the reference raises a builtin type, so do we (``SparseTensorError`` is a ValueError,
+``MetaTensorError`` a NotImplementedError, ``NotATensorError`` a ValueError and a TypeError).
+"""
 
 from __future__ import annotations
 
 import os
 
 
-class FormatError(ValueError):
+class SafetensorError(Exception):
+    """Base of the errors raised where ``safetensors`` raises ``SafetensorError``: a malformed
+    file, a closed handle, a tensor the file lacks, a slice outside a tensor, an unknown option,
+    device or dtype."""
+
+
+class HandleClosedError(SafetensorError, ValueError):
+    """An operation on a ``safe_open`` handle after it was closed."""
+
+
+class TensorNotFoundError(SafetensorError, KeyError):
+    """A tensor name the checkpoint does not hold."""
+
+
+class SliceError(SafetensorError, IndexError):
+    """``get_slice(name)[index]`` with an index outside the tensor, or of a form not supported."""
+
+
+class UnsupportedTypeError(SafetensorError, TypeError):
+    """A value of a kind the format or the reader cannot take: an array dtype the format lacks, an
+    index that is not an int, a slice, ``...`` or the empty list."""
+
+
+class OptionError(SafetensorError, ValueError):
+    """An option value the library does not know: a framework, an I/O backend, a thread count..."""
+
+
+class FormatError(SafetensorError, ValueError):
     """A safetensors file (or index) breaks a rule of the format.
 
     ``path``, ``rule`` and ``tensor`` are kept as attributes so callers can tell errors apart
@@ -32,8 +66,33 @@ class FormatError(ValueError):
         return FormatError(self.rule, self.detail, path=path, tensor=self.tensor)
 
 
-class DeviceError(RuntimeError):
+class DeviceError(SafetensorError, RuntimeError):
     """A device string names no usable GPU, or the GPU stack (cupy) is missing."""
+
+
+class NotATensorError(TypeError, ValueError):
+    """A value given to save is not an array of a supported library: the ValueError safetensors
+    raises, and the TypeError foxhunt_stream raised before."""
+
+
+class SparseTensorError(ValueError):
+    """Tensors with a sparse layout, which the format cannot hold (safetensors' ValueError and words)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = list(names)
+        super().__init__(f"You are trying to save a sparse tensors: `{self.names}` which this library does not "
+                         "support. You can make it a dense tensor before saving with `.to_dense()` but be aware "
+                         "this might make a much larger file than needed.")
+
+
+class MetaTensorError(NotImplementedError):
+    """Tensors on the meta device have no data to save (the NotImplementedError torch raises in
+    the reference, a RuntimeError)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = list(names)
+        super().__init__(f"Cannot copy out of meta tensor; no data! Tensors {self.names} are on the meta device: "
+                         "give them storage and values first (module.to_empty(device=...), then a load)")
 
 
 class DeviceOutOfMemoryError(MemoryError):

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import Literal, get_args
 
+from .errors import OptionError
+
 Backend = Literal["pread", "mmap", "direct"]     # how a load reads (io.source)
 DirectIO = Literal["auto", "on", "off"]
 WriteBackend = Literal["auto", "mmap", "pwrite"]   # how a save writes (io.sink.AtomicFile)
@@ -23,14 +25,14 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 def parse_size(value: int | str) -> int:
     """``5GB`` -> 5_000_000_000, ``500MiB`` -> 524_288_000, ints pass through."""
     if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
+        raise OptionError(f"not a size: {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"size must be non-negative, got {value}")
+            raise OptionError(f"size must be non-negative, got {value}")
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {value!r} (examples: 1048576, 512MiB, 5GB)")
+        raise OptionError(f"not a size: {value!r} (examples: 1048576, 512MiB, 5GB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -75,19 +77,19 @@ class Settings:
     def validate(self) -> "Settings":
         from .io.source import BACKENDS
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
-            raise ValueError(f"threads must be a non-negative int, got {self.threads!r}")
+            raise OptionError(f"threads must be a non-negative int, got {self.threads!r}")
         if self.chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+            raise OptionError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
         if self.staging_bytes < self.chunk_bytes:
-            raise ValueError(f"staging_bytes ({self.staging_bytes}) must hold at least one chunk ({self.chunk_bytes})")
+            raise OptionError(f"staging_bytes ({self.staging_bytes}) must hold at least one chunk ({self.chunk_bytes})")
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+            raise OptionError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.write_backend not in WRITE_BACKENDS:
-            raise ValueError(f"write_backend must be one of {', '.join(WRITE_BACKENDS)}, got {self.write_backend!r}")
+            raise OptionError(f"write_backend must be one of {', '.join(WRITE_BACKENDS)}, got {self.write_backend!r}")
         if self.verify_on not in get_args(VerifyOn):
-            raise ValueError(f"verify_on must be 'auto', 'read' or 'landed', got {self.verify_on!r}")
+            raise OptionError(f"verify_on must be 'auto', 'read' or 'landed', got {self.verify_on!r}")
         if self.direct_io not in get_args(DirectIO):
-            raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
+            raise OptionError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
         return self
 
     @property
@@ -104,7 +106,7 @@ def _coerce(name: str, value):
     if name == "threads":
         if isinstance(value, str):
             if not value.strip().isdigit():
-                raise ValueError(f"threads must be an integer, got {value!r}")
+                raise OptionError(f"threads must be an integer, got {value!r}")
             return int(value)
         return value
     if name == "direct_io" and isinstance(value, bool):
@@ -120,11 +122,11 @@ def _from_env() -> Settings:
             try:
                 kw[f.name] = _coerce(f.name, os.environ[env])
             except ValueError as e:
-                raise ValueError(f"environment variable {env}: {e}") from None
+                raise OptionError(f"environment variable {env}: {e}") from None
     try:
         return Settings(**kw).validate()
     except ValueError as e:
-        raise ValueError(f"FOXHUNT_* environment: {e}") from None
+        raise OptionError(f"FOXHUNT_* environment: {e}") from None
 
 
 _current: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("foxhunt_settings", default=None)

@@ -1,5 +1,6 @@
-"""torch front end: drop-ins for ``safetensors.torch`` (``load_file``, ``save_file``,
-``load_model``, ``save_model``), same signatures, plus ``materialize`` for meta-built modules.
+"""torch front end: drop-ins for ``safetensors.torch`` (``load_file``, ``save_file``, ``load``,
+``save``, ``load_model``, ``save_model`` and the helpers other libraries import from it), same
+signatures, plus ``materialize`` for meta-built modules.
 
 ``load_model`` differs from the reference in where the bytes go: instead of loading a second
 copy of every tensor and handing it to ``load_state_dict``, it passes the module's own
@@ -9,9 +10,11 @@ bytes as they are - another dtype (cast, as ``load_state_dict`` does), non-conti
 the pipeline does not write to, or a state-dict entry that is not a parameter or buffer of the
 module - go through a temporary and ``load_state_dict``.
 
-Shared (tied) tensors follow the reference rules exactly: ``save_model`` keeps one name per
-shared storage and records the dropped ones in the metadata; ``load_model`` fills the kept name
-and reports the others neither missing nor (unless the file has them) unexpected.
+Shared (tied) tensors follow the reference rules exactly: ``save_file`` and ``save`` refuse
+tensors that share memory; ``save_model`` keeps one name per shared storage and records the
+dropped ones in the metadata; ``load_model`` fills the kept name and reports the others neither
+missing nor (unless the file has them) unexpected. Non-contiguous tensors are saved (row by row),
+where the reference refuses them.
 
 Importing this module imports torch. The machinery is in ``models.torch_load`` and
 ``models.torch_state``; this module is the drop-in surface.
@@ -25,27 +28,67 @@ from typing import Mapping
 import torch
 
 from . import api
+from .engine.safe_open import safe_open
+from .engine.serialize import TensorSpec, deserialize, serialize, serialize_file
+from .format.dtypes import DTYPES
 from .models.torch_load import LoadModelError, StreamedLoad, load_model
-from .models.torch_state import MaterializeWarning, materialize, shared_aliases
+from .models.torch_state import (MaterializeWarning, check_savable, end_ptr, find_shared_tensors, is_complete,
+                                 materialize, remove_duplicate_names, shared_aliases, storage_ptr, storage_size)
 
-__all__ = ["load_file", "save_file", "load_model", "save_model", "materialize", "shared_aliases", "LoadModelError",
-           "MaterializeWarning", "StreamedLoad"]
+__all__ = ["load_file", "save_file", "load", "save", "load_model", "save_model", "storage_ptr", "storage_size",
+           "materialize", "shared_aliases", "LoadModelError", "MaterializeWarning", "StreamedLoad", "safe_open",
+           "TensorSpec", "serialize", "serialize_file", "deserialize"]
+
+# safetensors.torch's helpers under its names (transformers, accelerate, vLLM and
+# torch.distributed.checkpoint import them): public API there, and here
+_end_ptr = end_ptr
+_find_shared_tensors = find_shared_tensors
+_is_complete = is_complete
+_remove_duplicate_names = remove_duplicate_names
+# the format's dtype codes -> torch dtypes ("F32" -> torch.float32), every one torch has (callers
+# add entries of their own), and bytes per element
+_TYPES: dict[str, torch.dtype] = {d.name: getattr(torch, d.torch_name) for d in DTYPES.values()
+                                  if d.torch_name and hasattr(torch, d.torch_name)}
+_SIZE: dict[torch.dtype, int] = {t: t.itemsize for t in _TYPES.values()}
 
 
-def load_file(filename: str | os.PathLike, device: str | int = "cpu", **options) -> dict[str, torch.Tensor]:
+def _getdtype(dtype_str: str) -> torch.dtype:
+    """The torch dtype of a format dtype code (``"BF16"`` -> ``torch.bfloat16``), from ``_TYPES``."""
+    return _TYPES[dtype_str]
+
+
+def load_file(filename: str | os.PathLike, device: str | int = "cpu", *, backend: str | None = None,
+              **options) -> dict[str, torch.Tensor]:
     """``safetensors.torch.load_file``: ``{name: torch.Tensor}`` on ``device``.
 
     Also takes a list of files, an index.json or a directory, and the loader's options
-    (``names``, ``background``, ``threads``, ``backend``, ``device_map`` for several GPUs...).
+    (``names``, ``background``, ``threads``, ``device_map`` for several GPUs...). ``backend``:
+    "pread", "mmap" or "direct" (None: the library's choice).
     """
-    return api.load_file(filename, device=device, framework="pt", **options)
+    return api.load_file(filename, device=device, framework="pt", backend=backend, **options)
 
 
 def save_file(tensors: Mapping[str, torch.Tensor], filename: str | os.PathLike,
               metadata: Mapping[str, str] | None = None, **options) -> None:
-    """``safetensors.torch.save_file``: byte-identical output, written atomically."""
+    """``safetensors.torch.save_file``: byte-identical output, written atomically. Refuses what the
+    reference refuses (``check_savable``) but non-contiguous tensors, which it saves."""
+    check_savable(tensors)
     from .engine import saver as _saver  # imported by saves only
     _saver.save_file(tensors, filename, metadata=metadata, **options)
+
+
+def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """``safetensors.torch.save``: the bytes ``save_file`` writes."""
+    check_savable(tensors)
+    from .engine import saver as _saver
+    return _saver.save_bytes(tensors, metadata)
+
+
+def load(data: bytes) -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load``: ``{name: torch.Tensor}`` on the CPU from a checkpoint's bytes
+    (any buffer)."""
+    with safe_open(memoryview(data), framework="pt") as f:
+        return f.get_tensors()
 
 
 def save_model(model: torch.nn.Module, filename: str | os.PathLike, metadata: Mapping[str, str] | None = None,
@@ -58,11 +101,12 @@ def save_model(model: torch.nn.Module, filename: str | os.PathLike, metadata: Ma
     """
     state = model.state_dict()
     meta = dict(metadata) if metadata is not None else None
-    for kept, dropped in shared_aliases(state).items():
+    for kept, dropped in remove_duplicate_names(state).items():
         for name in dropped:
             if meta is None:
                 meta = {}
             meta.setdefault(name, kept)
             del state[name]
+    check_savable(state)
     from .engine import saver as _saver
     _saver.save_file(state, filename, metadata=meta, **options)

@@ -208,11 +208,13 @@ class Fuzzer:
 def seeds() -> list[bytes]:
     from format_support import seed_files
     out = list(seed_files())
-    try:
-        import test_format_differential as cases
-        out += [c.buf for c in cases.REJECT + cases.STRICTER_CASES] + list(cases.ACCEPT.values())
-    except ImportError:
-        pass
+    import importlib.util
+    path = os.path.join(ROOT, "tests", "format", "test_header_reference.py")   # its cases seed the fuzzer too
+    spec = importlib.util.spec_from_file_location("header_reference_cases", path)
+    cases = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = cases   # its dataclasses look their module up
+    spec.loader.exec_module(cases)
+    out += [c.buf for c in cases.REJECT + cases.STRICTER_CASES] + list(cases.ACCEPT.values())
     return out
 
 

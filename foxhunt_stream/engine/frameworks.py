@@ -14,7 +14,7 @@ import numpy as np
 
 from ..cuda.devices import Device, cupy
 from ..format.dtypes import DType, from_numpy, from_torch, host_shape
-from ..errors import DeviceOutOfMemoryError
+from ..errors import DeviceOutOfMemoryError, OptionError
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class NumpyFramework:
 
     def empty(self, dtype: DType, shape, device: Device, tensor: str = "") -> np.ndarray:
         if device.is_cuda:
-            raise ValueError("framework 'numpy' holds host arrays only; use device='cpu' or framework='cupy'/'pt'")
+            raise OptionError("framework 'numpy' holds host arrays only; use device='cpu' or framework='cupy'/'pt'")
         return np.empty(host_shape(dtype, tuple(shape)), dtype.numpy)
 
     def array_dtype(self, dtype: DType) -> np.dtype:
@@ -194,7 +194,7 @@ def get_framework(framework: str | None, device: Device):
     try:
         return _FRAMEWORKS[framework]()
     except KeyError:
-        raise ValueError(f"unknown framework {framework!r}; choose numpy, cupy or pt") from None
+        raise OptionError(f"unknown framework {framework!r}; choose numpy, cupy or pt") from None
 
 
 def framework_of(x):

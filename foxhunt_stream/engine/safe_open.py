@@ -2,16 +2,21 @@
 
 The handle reads every header once and keeps the files open; ``get_tensor``, ``get_slice(...)[i]``
 and ``tensors()`` each run a load of just what they ask for (``loader``), so unasked bytes are
-never read.
+never read. Besides paths it opens file objects and buffers (``io.fileobj``); a slice taken from
+it keeps working after the handle is closed, as in safetensors.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 from .. import settings as _settings
+from ..errors import HandleClosedError, TensorNotFoundError
 from ..format.header import TensorInfo
 from ..format.tp import TPSlice, indices_for
+from ..io import fileobj
 from ..io.checkpoint import Names, open_checkpoint, select
 from .destinations import Destinations
 from .inflight import LoadInFlight
@@ -43,12 +48,37 @@ class SliceView:
         return self._load(index)
 
 
+class SharedSources:
+    """A handle's open sources, shared with the slices taken from it: closed once the handle is
+    closed and no such slice is alive."""
+
+    def __init__(self, sources: list) -> None:
+        self.sources = sources
+        self._users = 1   # the handle
+        self._lock = threading.Lock()
+
+    def share_with(self, owner: object) -> None:
+        """One more user, for as long as ``owner`` lives."""
+        with self._lock:
+            self._users += 1
+        weakref.finalize(owner, self.release)
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            close_all(self.sources)
+
+
 class safe_open:
     """Drop-in for ``safetensors.safe_open``: lazy, random access to one checkpoint.
 
     ``with safe_open(path, framework="pt", device="cuda:0") as f: f.get_tensor(name)``.
-    Arrays returned stay valid after the handle is closed. With ``verify=True`` whole tensors are
-    checked against their saved digests (a slice cannot be, and is refused).
+    ``filename`` may also be a list of files, an index.json, a directory, an open file object or
+    a checkpoint's bytes as a ``memoryview``/``bytearray`` (``io.fileobj``). Arrays returned stay
+    valid after the handle is closed, and so do slices taken from it. With ``verify=True`` whole
+    tensors are checked against their saved digests (a slice cannot be, and is refused).
     """
 
     @reopen_if_replaced
@@ -57,8 +87,14 @@ class safe_open:
         self._verify = verify
         self._s = _settings.merge(**options)
         self._dev, self._fw = placement(device, framework).for_names(())
-        self._ck = open_checkpoint(filename)
-        self._sources = open_sources(self._ck, self._s)
+        opened = fileobj.open_object(filename) if fileobj.is_object_source(filename) else filename
+        if isinstance(opened, tuple):   # a buffer, or a file object without a descriptor
+            self._ck, sources = opened
+        else:
+            self._ck = open_checkpoint(opened)
+            sources = open_sources(self._ck, self._s)
+        self._shared: SharedSources | None = SharedSources(sources)
+        self._release = weakref.finalize(self, self._shared.release)   # once: at close(), or when dropped
 
     # -- lifecycle
     def __enter__(self) -> "safe_open":
@@ -69,13 +105,24 @@ class safe_open:
         self.close()
 
     def close(self) -> None:
-        if self._sources is not None:
-            close_all(self._sources)
-            self._sources = None
+        self._release()
+        self._shared = None
 
-    def _check(self):
-        if self._sources is None:
-            raise ValueError("operation on a closed safe_open handle")
+    @property
+    def _sources(self) -> list | None:
+        """The open sources, None once closed (what tests inspect: backends, bytes read)."""
+        return None if self._shared is None else self._shared.sources
+
+    def _check(self) -> SharedSources:
+        if self._shared is None:
+            raise HandleClosedError("File is closed")
+        return self._shared
+
+    def _named(self, name: str) -> str:
+        self._check()
+        if name not in self._ck.names:
+            raise TensorNotFoundError(f"File does not contain tensor {name}")
+        return name
 
     # -- header
     def keys(self) -> list[str]:
@@ -91,26 +138,30 @@ class safe_open:
         return self._ck.metadata()
 
     def get_slice(self, name: str) -> SliceView:
-        self._check()
-        if name not in self._ck.names:
-            raise KeyError(f"no tensor named {name!r}")
-        return SliceView(self._ck.names[name][1], lambda index: self._load([name], {name: index})[0])
+        shared = self._check()
+        view = SliceView(self._ck.names[self._named(name)][1],
+                         lambda index: self._load([name], {name: index}, shared)[0])
+        shared.share_with(view)   # the files stay open for the slice after the handle closes
+        return view
 
     def get_tensor(self, name: str):
-        self._check()
-        if name not in self._ck.names:
-            raise KeyError(f"no tensor named {name!r}")
-        return self._load([name])[0]
+        return self._load([self._named(name)])[0]
 
-    def _start(self, names: list[str], indices=None, progress: bool | None = False, per_dest: bool = False):
-        self._check()
+    def get_tensors(self) -> dict[str, Any]:
+        """Every tensor, ``{name: array}`` in file order, landed by one load."""
+        names = self._ck.file_order()
+        return dict(zip(names, self._load(names)))
+
+    def _start(self, names: list[str], indices=None, progress: bool | None = False, per_dest: bool = False,
+               shared: SharedSources | None = None):
+        sources = (shared or self._check()).sources
         plan, s, verifier = plan_selections(self._ck, selections(self._ck, names, indices), self._s, self._verify,
                                             self._dev)
-        return LoadInFlight(plan, self._sources, Destinations.allocate(self._fw, plan, self._dev), s, check=verifier,
+        return LoadInFlight(plan, sources, Destinations.allocate(self._fw, plan, self._dev), s, check=verifier,
                             progress=progress_bar(plan.nbytes, "load", progress), per_dest=per_dest)
 
-    def _load(self, names: list[str], indices=None) -> list:
-        load = self._start(names, indices)
+    def _load(self, names: list[str], indices=None, shared: SharedSources | None = None) -> list:
+        load = self._start(names, indices, shared=shared)
         load.finish()
         return load.dests.all_arrays()
 
@@ -134,3 +185,11 @@ class safe_open:
                     load.finish()
                 except BaseException:
                     pass
+
+
+class safe_open_handle(safe_open):
+    """``safetensors._safe_open_handle``: ``safe_open`` of an open file object, which the
+    reference names ``f`` (a local file, an fsspec file...)."""
+
+    def __init__(self, f, framework: str | None = None, device="cpu", **options) -> None:
+        super().__init__(f, framework, device, **options)

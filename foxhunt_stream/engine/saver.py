@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import settings as _settings
 from ..cuda.devices import Device
+from ..errors import MetaTensorError, NotATensorError, SparseTensorError
 from ..format.dtypes import DType, from_numpy, from_torch
 from ..format.dtypes import nbytes as _dtype_nbytes
 from ..format.header import layout, serialize_header
@@ -32,6 +33,7 @@ from ..format.plan import plan_save
 from .progress import NO_PROGRESS, Progress, progress_bar
 from ..format.shards import index_json, shard_names, split_shards
 from ..io.checkpoint import INDEX_NAME
+from ..io.memory import MemorySink
 from ..io.sink import AtomicFile, commit_all, write_small
 from .targets import CudaTarget
 
@@ -96,6 +98,10 @@ def _describe(name: str, x) -> _Source:
     if mod.startswith("torch"):
         import torch
         t = x.detach()
+        if t.layout != torch.strided:
+            raise SparseTensorError([name])
+        if t.device.type == "meta":
+            raise MetaTensorError([name])
         dt = from_torch(t.dtype)
         shape = tuple(t.shape)
         if dt.sub_byte and shape:   # packed x2 storage: logical last dim is twice as long
@@ -121,8 +127,7 @@ def _describe(name: str, x) -> _Source:
         if not x.flags.c_contiguous:
             x = cp.ascontiguousarray(x)
         return _Source(name, dt, tuple(x.shape), x.nbytes, Device("cuda", x.device.id), ptr=x.data.ptr, keep=x)
-    raise TypeError(f"tensor {name!r}: unsupported array type {mod}.{type(x).__name__}; "
-                    "expected numpy, cupy or torch")
+    raise NotATensorError(f"Key `{name}` is invalid, expected a numpy, cupy or torch array but received {type(x)}")
 
 
 def _wait_producers(sources: list[_Source]) -> None:
@@ -143,8 +148,9 @@ def _wait_producers(sources: list[_Source]) -> None:
 
 def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None, s: _settings.Settings,
                fsync: bool, checksum: tuple[str, int | None] | None = None,
-               progress: Progress = NO_PROGRESS) -> AtomicFile:
-    """Write one file to its temp file and return it, not yet committed (aborted on error)."""
+               progress: Progress = NO_PROGRESS, into: Callable[[int], Any] | None = None) -> AtomicFile:
+    """Write one file to its temp file and return it, not yet committed (aborted on error).
+    ``into(size)``: the sink to write into instead (``save_bytes``: a buffer in memory)."""
     infos = layout([(src.name, src.dtype, src.shape) for src in sources])
     by_name = {src.name: src for src in sources}
     ordered = [by_name[t.name] for t in infos]
@@ -162,7 +168,8 @@ def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None,
     for src in ordered:
         if src.device.is_cuda and src.device.index not in targets:
             targets[src.device.index] = CudaTarget(src.device.index, s.chunk_bytes, s.n_slots)
-    sink = AtomicFile(path, total, fsync=fsync, backend=s.write_backend, writers=s.threads)
+    sink = (into(total) if into is not None
+            else AtomicFile(path, total, fsync=fsync, backend=s.write_backend, writers=s.threads))
     try:
         sink.write_at(header, 0)
 
@@ -197,7 +204,7 @@ def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None,
                   "write backend %s, fsync %s", os.fspath(path), len(ordered), total, len(items), s.threads,
                   s.chunk_bytes, s.staging_bytes, sorted({str(src.device) for src in ordered}) or ["-"],
                   s.write_backend, fsync)
-        if sink.backend == "pwrite" and digests is None and all(src.host is not None for src in ordered):
+        if sink.backend in ("pwrite", "memory") and digests is None and all(src.host is not None for src in ordered):
             # Bytes already in host memory, written by pwrite: the kernel serializes writes to one
             # file on its inode lock, so workers add nothing but cost (measured on a 2-vCPU Xeon
             # KVM guest, 256 MiB, fsync=False: 0.86-0.91x of safetensors through the pool, 0.95x inline)
@@ -272,6 +279,28 @@ def _write_shards(sizes: Sequence[tuple[str, int]], produce: Callable[[list[str]
                                                                    if len(groups) > 1 else [])
 
 
+def check_names(tensors: Any) -> None:
+    """``tensors`` is a mapping and every name a str, before any work: a ValueError and a TypeError
+    naming the key, as safetensors raises."""
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"Expected a dict of [str, array] but received {type(tensors)}")
+    for name in tensors:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {name!r} of type {type(name).__name__}")
+
+
+def save_bytes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None, **options) -> bytes:
+    """The bytes ``save_file`` writes for the same tensors and metadata (``save`` of
+    ``safetensors.numpy`` and ``safetensors.torch``), written the same way into memory."""
+    check_names(tensors)
+    s, metadata, _ = _save_options(metadata, None, None, options)
+    sources = [_describe(name, x) for name, x in tensors.items()]
+    _wait_producers(sources)
+    sink = _write_one(sources, "<bytes>", metadata, s, False, into=MemorySink)
+    sink.commit()
+    return bytes(sink.buffer)
+
+
 def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | None = None,
               max_shard_size: int | str | None = None, *, fsync: bool = True, checksum: str | None = None,
               checksum_block: int | None = None, progress: bool | None = None, **options) -> None:
@@ -287,6 +316,7 @@ def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | No
     entry in ``metadata`` itself is dropped: it described some other file's bytes.
     ``progress``: a bar on stderr (None: only on a terminal and past about a second).
     """
+    check_names(tensors)
     s, metadata, spec = _save_options(metadata, checksum, checksum_block, options)
     sources = [_describe(name, x) for name, x in tensors.items()]
     _wait_producers(sources)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from ..errors import UnsupportedTypeError
+
 
 @dataclass(frozen=True, slots=True)
 class DType:
@@ -75,7 +77,7 @@ def from_numpy(dtype: np.dtype) -> DType:
     try:
         return _FROM_NUMPY[dtype.newbyteorder("=") if dtype.byteorder == ">" else dtype]
     except KeyError:
-        raise TypeError(f"numpy dtype {dtype} has no safetensors equivalent; "
+        raise UnsupportedTypeError(f"numpy dtype {dtype} has no safetensors equivalent; "
                         f"supported: {sorted(str(k) for k in _FROM_NUMPY)}") from None
 
 
@@ -85,7 +87,7 @@ def from_torch(dtype) -> DType:
     try:
         return _FROM_TORCH_NAME[name]
     except KeyError:
-        raise TypeError(f"torch dtype {dtype} has no safetensors equivalent") from None
+        raise UnsupportedTypeError(f"torch dtype {dtype} has no safetensors equivalent") from None
 
 
 def host_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:

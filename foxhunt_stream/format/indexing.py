@@ -14,6 +14,7 @@ from __future__ import annotations
 import operator
 from typing import NamedTuple, Sequence
 
+from ..errors import SliceError, UnsupportedTypeError
 from .header import TensorInfo
 
 
@@ -40,7 +41,9 @@ def normalize_index(index, shape: Sequence[int]) -> list[int | tuple[int, int, i
 
     An int (negative allowed) selects one element and drops the dimension; a slice with a
     positive step becomes ``(start, count, step)``; ``...`` expands; missing trailing dims are
-    full. Anything else (arrays, None, negative steps, bools) is refused.
+    full; the empty list selects nothing (``x[[]]`` has shape ``[0, ...]``, as in safetensors).
+    Anything else (arrays, other lists, None, negative steps, bools) is refused: SliceError for
+    a value, UnsupportedTypeError for a type, both SafetensorErrors.
     """
     if not isinstance(index, tuple):
         index = (index,)
@@ -57,10 +60,10 @@ def normalize_index(index, shape: Sequence[int]) -> list[int | tuple[int, int, i
             return out_fast
     n_ell = sum(1 for i in index if i is Ellipsis)
     if n_ell > 1:
-        raise IndexError("an index can only have a single ellipsis ('...')")
+        raise SliceError("an index can only have a single ellipsis ('...')")
     explicit = len(index) - n_ell
     if explicit > len(shape):
-        raise IndexError(f"too many indices: tensor is {len(shape)}-dimensional, but {explicit} were indexed")
+        raise SliceError(f"too many indices: tensor is {len(shape)}-dimensional, but {explicit} were indexed")
     items = []
     for i in index:
         if i is Ellipsis:
@@ -72,22 +75,41 @@ def normalize_index(index, shape: Sequence[int]) -> list[int | tuple[int, int, i
     for dim, (i, n) in enumerate(zip(items, shape)):
         if isinstance(i, slice):
             if i.step is not None and operator.index(i.step) <= 0:
-                raise IndexError(f"dimension {dim}: only positive slice steps are supported, got {i.step}")
+                raise SliceError(f"dimension {dim}: only positive slice steps are supported, got {i.step}")
             start, stop, step = i.indices(n)
             count = max(0, (stop - start + step - 1) // step)
             out.append((start if count else 0, count, step))
+        elif isinstance(i, list):   # safetensors takes one list, the empty one: nothing along this dim
+            if i:
+                raise SliceError("Non empty lists are not implemented")
+            out.append((0, 0, 1))
         elif isinstance(i, bool) or i is None:
-            raise TypeError(f"dimension {dim}: unsupported index {i!r}; use ints, slices and '...'")
+            raise UnsupportedTypeError(f"dimension {dim}: unsupported index {i!r}; use ints, slices and '...'")
         else:
             try:
                 k = operator.index(i)
             except TypeError:
-                raise TypeError(f"dimension {dim}: unsupported index {i!r} of type {type(i).__name__}; "
+                raise UnsupportedTypeError(f"dimension {dim}: unsupported index {i!r} of type {type(i).__name__}; "
                                 "use ints, slices and '...'") from None
             if not -n <= k < n:
-                raise IndexError(f"index {k} is out of bounds for dimension {dim} with size {n}")
+                raise out_of_bounds(index, shape, dim, k)
             out.append(k % n)
     return out
+
+
+def out_of_bounds(index: tuple, shape: Sequence[int], dim: int, k: int) -> SliceError:
+    """safetensors' words for an int index ``k`` outside dimension ``dim``."""
+    n = shape[dim]
+    if k < 0:
+        return SliceError(f"Invalid index {k} for dimension {dim} of size {n}")
+
+    def show(i) -> str:
+        if isinstance(i, slice):
+            text = f"{'' if i.start is None else i.start}:{'' if i.stop is None else i.stop}"
+            return text if i.step is None else f"{text}:{i.step}"
+        return "..." if i is Ellipsis else str(i)
+    return SliceError(f"Error during slicing [{', '.join(show(i) for i in index)}] with shape {list(shape)}: "
+                      f"index {k} out of bounds for tensor dimension #{dim} of size {n}")
 
 
 def slice_runs(info: TensorInfo, data_start: int, index=None) -> tuple[tuple[int, ...], list[Run]]:
@@ -183,7 +205,7 @@ def general_slice_runs(info: TensorInfo, data_start: int, index=None) -> tuple[t
         if all(isinstance(s, tuple) and s[0] == 0 and s[1] == n and (s[2] == 1 or n <= 1)
                for s, n in zip(sel, info.shape)):
             return slice_runs(info, data_start, None)
-        raise IndexError(f"tensor {info.name!r}: slicing sub-byte dtype {info.dtype.name} is not supported; "
+        raise SliceError(f"tensor {info.name!r}: slicing sub-byte dtype {info.dtype.name} is not supported; "
                          "load it whole")
     dims = [(s, 1, 1) if isinstance(s, int) else s for s in sel]   # per dim: (start, count, step)
     if any(c == 0 for _, c, _ in dims):

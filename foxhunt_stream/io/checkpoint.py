@@ -121,7 +121,7 @@ def resolve(source) -> Resolved:
     if path.endswith(".json"):
         return _from_index(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file")
+        raise FileNotFoundError(f"No such file or directory: {path}")   # safetensors' words
     return Resolved([path], None, None)
 
 

@@ -14,7 +14,7 @@ cp = pytest.importorskip("cupy")
 
 import foxhunt_stream as fs  # noqa: E402
 from foxhunt_stream.cuda.devices import cuda_available  # noqa: E402
-from tests.gpu_util import write_random_file  # noqa: E402
+from gpu_util import write_random_file  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU"),
 ]
 
-from tests.test_sharded import RULE, make_tensors, write_checkpoint  # noqa: E402
+from sharded_support import RULE, make_tensors, write_checkpoint  # noqa: E402
 
 
 def _dim(name, rule):

@@ -15,7 +15,7 @@ from foxhunt_stream.format.dtypes import DTYPES
 from foxhunt_stream.format.header import TensorInfo
 from foxhunt_stream.engine.placement import device_for, interleave_by_device, parse_device_map, resolve_device_map
 from foxhunt_stream.format.plan import Selection, plan_load
-from tests.gpu_util import write_random_file
+from gpu_util import write_random_file
 
 C0, C1 = Device("cuda", 0), Device("cuda", 1)
 
@@ -190,27 +190,3 @@ def test_process_group_and_device_map_are_refused(ckpt, no_reads):
     path, _ = ckpt
     with pytest.raises(ValueError, match="not supported together"):
         fs.load_file(path, device_map={"": "cpu"}, process_group=object())
-
-
-# ---------------------------------------------------------------- the benchmark script, on the host
-
-def test_benchmark_smoke_run_on_cpu(tmp_path, capsys):
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
-                        "device_map_bench.py")
-    spec = importlib.util.spec_from_file_location("device_map_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    specs = [("model.embed_tokens.weight", "BF16", (64, 32)), ("lm_head.weight", "BF16", (64, 32)),
-             ("model.norm.weight", "BF16", (32,))]
-    specs += [(f"model.layers.{i}.mlp.weight", "BF16", (32, 32)) for i in range(4)]
-    write_random_file(str(tmp_path / "m.safetensors"), specs)
-    names = [n for n, _, _ in specs]
-    assert bench.split_map(names, "cuda:0", "cuda:1") == {
-        "model.embed_tokens": "cuda:0", "model.layers.0": "cuda:0", "model.layers.1": "cuda:0", "": "cuda:1"}
-    got = bench.main([str(tmp_path / "m.safetensors"), "--device-a", "cpu", "--device-b", "cpu", "--repeat", "1"])
-    assert got["bytes"] == sum(2 * np.prod(s) for _, _, s in specs)
-    assert got["on_a"] == 2 * (64 * 32 + 2 * 32 * 32)   # embeddings and layers 0, 1
-    row = capsys.readouterr().out.strip().splitlines()[-1]
-    assert row.startswith("| ") and row.endswith("| cpu, cpu |") and row.count("|") == 8

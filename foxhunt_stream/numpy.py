@@ -1,0 +1,48 @@
+"""numpy front end: drop-ins for ``safetensors.numpy`` (``save``, ``save_file``, ``load``,
+``load_file``), same signatures, arrays on the host.
+
+``save`` and ``save_file`` write the bytes safetensors writes (big-endian arrays as little-endian,
+non-contiguous ones row by row), ``save_file`` atomically. ``load`` reads a checkpoint's bytes in
+place; ``load_file`` streams a file as ``foxhunt_stream.load_file`` does, and also takes its
+options, a list of files, an index.json or a directory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import api
+from .engine.safe_open import safe_open
+from .engine.serialize import TensorSpec, deserialize, serialize, serialize_file
+
+__all__ = ["save", "save_file", "load", "load_file", "safe_open", "TensorSpec", "serialize", "serialize_file",
+           "deserialize"]
+
+
+def save(tensor_dict: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
+    """``safetensors.numpy.save``: the bytes of a safetensors file holding ``tensor_dict``."""
+    from .engine import saver   # imported by saves only
+    return saver.save_bytes(tensor_dict, metadata)
+
+
+def save_file(tensor_dict: Mapping[str, np.ndarray], filename: str | os.PathLike,
+              metadata: Mapping[str, str] | None = None, **options: Any) -> None:
+    """``safetensors.numpy.save_file``: byte-identical output, written atomically (options as for
+    ``foxhunt_stream.save_file``)."""
+    from .engine import saver
+    saver.save_file(tensor_dict, filename, metadata=metadata, **options)
+
+
+def load(data: bytes) -> dict[str, np.ndarray]:
+    """``safetensors.numpy.load``: ``{name: np.ndarray}`` from a checkpoint's bytes (any buffer)."""
+    with safe_open(memoryview(data), framework="numpy") as f:
+        return f.get_tensors()
+
+
+def load_file(filename: str | os.PathLike, *, backend: str | None = None, **options: Any) -> dict[str, np.ndarray]:
+    """``safetensors.numpy.load_file``: ``{name: np.ndarray}``. ``backend``: "pread", "mmap" or
+    "direct" (None: the library's choice); other options as for ``foxhunt_stream.load_file``."""
+    return api.load_file(filename, device="cpu", framework="numpy", backend=backend, **options)

@@ -3,6 +3,7 @@ on tiny checkpoints: every point of the contract, the errors, and what goes to t
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -175,6 +176,20 @@ def test_no_loader_thread_left_after_an_error(tiny):
     before = loader_threads()
     with pytest.raises(RuntimeError):
         ours(tiny("llama"), vocab_size=80)
+    assert loader_threads() <= before
+
+
+@pytest.mark.parametrize("warm_forward", [True, False])
+def test_a_read_error_reaches_the_caller(tiny, monkeypatch, warm_forward):
+    """A read that fails while the model waits (in the warm-up forward or the final wait)."""
+    from foxhunt_stream.io import source
+
+    def fail(src, offset, length):
+        raise OSError(errno.EIO, "injected")
+    monkeypatch.setattr(source, "fault_hook", fail)
+    before = loader_threads()
+    with pytest.raises(OSError, match="injected"):
+        ours(tiny("llama-sharded"), warm_forward=warm_forward)
     assert loader_threads() <= before
 
 

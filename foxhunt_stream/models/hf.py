@@ -184,8 +184,10 @@ def load_generation_config(model, r: Recipe, source: CheckpointSource) -> None:
 
 def warm_up(model, device: torch.device) -> None:
     """One token through the model while the weights land (each module's pre-hook waits for its
-    own). Its output is dropped; a model whose forward wants other inputs is just not warmed (a
-    load error comes again from the wait that follows)."""
+    own). Its output is dropped and what it changed on the modules is undone (``ModuleState``: a
+    rotary module may re-register its tables or cache a long-context copy on its first call);
+    a model whose forward wants other inputs is just not warmed (a load error comes again from
+    the wait that follows)."""
     params = inspect.signature(model.forward).parameters
     if "input_ids" not in params:
         return
@@ -195,11 +197,43 @@ def warm_up(model, device: torch.device) -> None:
         inputs["attention_mask"] = torch.ones_like(ids)
     if "use_cache" in params:
         inputs["use_cache"] = False
+    state = ModuleState(model)
     try:
         with torch.no_grad():
             model(**inputs)
     except Exception as e:   # noqa: BLE001 -- an optimisation only
         log.debug("from_pretrained: the warm-up forward of %s failed: %r", type(model).__name__, e)
+    finally:
+        state.restore()
+
+
+class ModuleState:
+    """Every module's attributes and real buffers (their values too), so that what a forward
+    changes on them can be put back. Parameters and the buffers still on meta (the load fills
+    them) are left alone; hook tables are changed in place and so not restored."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.saved = []
+        for m in model.modules():
+            buffers = {k: (b, b.detach().clone()) for k, b in m._buffers.items() if b is not None and not b.is_meta}
+            self.saved.append((m, dict(vars(m)), set(m._buffers), set(m._non_persistent_buffers_set), buffers))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for m, attrs, buffer_names, non_persistent, buffers in self.saved:
+                for k in [k for k in vars(m) if k not in attrs]:
+                    del m.__dict__[k]
+                for k, v in attrs.items():
+                    if m.__dict__.get(k) is not v:
+                        m.__dict__[k] = v
+                for k in [k for k in m._buffers if k not in buffer_names]:
+                    del m._buffers[k]
+                m._non_persistent_buffers_set.clear()
+                m._non_persistent_buffers_set.update(non_persistent)
+                for k, (b, value) in buffers.items():
+                    m._buffers[k] = b
+                    if not torch.equal(b, value):
+                        b.copy_(value)
 
 
 def load_with_transformers(path, device, model_class, dtype, kwargs: dict, reason: str,

@@ -28,6 +28,11 @@ def configs() -> dict:
         "llama-sharded": (t.LlamaConfig(**SMALL, tie_word_embeddings=False), t.AutoModelForCausalLM,
                           {"max_shard_size": "20KB"}),
         "llama-base": (t.LlamaConfig(**SMALL), t.AutoModel, {}),
+        "phi3-longrope": (t.Phi3Config(**dict(SMALL, max_position_embeddings=128, original_max_position_embeddings=32,
+                                              pad_token_id=0, rope_scaling={"rope_type": "longrope",
+                                                                            "short_factor": [1.0] * 4,
+                                                                            "long_factor": [2.0] * 4})),
+                          t.AutoModelForCausalLM, {}),
         "bert": (t.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=4, max_position_embeddings=64), t.AutoModelForMaskedLM, {}),
     }
@@ -113,6 +118,8 @@ def assert_same_model(ref, ours, device: str = "cpu") -> None:
     if hasattr(ref, "generation_config"):
         assert ours.generation_config.to_dict() == ref.generation_config.to_dict()
     assert not any(t.is_meta for t in list(ours.parameters()) + list(ours.buffers()))
+    for (name, a), (_, b) in zip(ref.named_modules(), ours.named_modules(), strict=True):   # no forward left a trace
+        assert sorted(vars(a)) == sorted(vars(b)), name
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in ours.modules())
 
 

@@ -210,17 +210,29 @@ def test_tied_weights_both_in_the_checkpoint(tiny, tmp_path, same):
     assert got_log == ref_log
 
 
-def test_warm_forward_on_the_cpu(tiny, monkeypatch):
-    """The warm-up forward (on by default for CUDA) changes nothing the caller can see."""
+@pytest.mark.parametrize("name", ["qwen2-tied", "phi3-longrope"])
+def test_warm_forward_leaves_no_trace(tiny, monkeypatch, name):
+    """The warm-up forward (on by default for CUDA) changes nothing the caller can see, even
+    where a first forward changes the model (longrope picks its tables and keeps a copy)."""
     calls = []
     warm = hf.warm_up
     monkeypatch.setattr(hf, "warm_up", lambda model, device: (calls.append(device), warm(model, device)))
-    path = tiny("qwen2-tied")
+    path = tiny(name)
     got = ours(path, warm_forward=True)
     assert calls == [torch.device("cpu")]
     assert_same_model(reference(path), got)
     ours(path)
     assert len(calls) == 1   # off by default on the CPU
+
+
+def test_a_first_forward_can_change_a_model(tiny):
+    """Why the warm-up undoes what it changed: transformers' own model after one forward."""
+    path = tiny("phi3-longrope")
+    ref, used = reference(path), reference(path)
+    with torch.no_grad():
+        used(input_ids=torch.zeros((1, 1), dtype=torch.long))
+    with pytest.raises(AssertionError):
+        assert_same_model(ref, used)
 
 
 def test_generate_as_transformers(tiny):

@@ -1,0 +1,75 @@
+"""transformers front end: ``from_pretrained``, one call from a checkpoint to a ready model.
+
+    import foxhunt_stream as fs
+    fs.prefetch("llama/")        # optional first statement: a cold start reads while the imports run
+    import torch, transformers
+    model = fs.transformers.from_pretrained("llama/", device="cuda:0")
+
+The result is what ``model_class.from_pretrained(path, dtype=dtype, device_map=device)`` gives --
+same class, state dict, buffers, ties, eval mode, generation config, load report -- with the
+weights streamed by foxhunt_stream. Needs ``pip install 'foxhunt-stream[transformers]'``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from .models import hf_source
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["from_pretrained"]
+
+
+def from_pretrained(path: str | os.PathLike, device: Any = "cuda:0", model_class: type | None = None,
+                    dtype: Any = None, *, warm_forward: bool | None = None,
+                    **kwargs: Any) -> PreTrainedModel | tuple[PreTrainedModel, dict]:
+    """A ready model from a local checkpoint, equal to transformers' own ``from_pretrained``.
+
+    ``path``: a directory (its ``model.safetensors`` or ``model.safetensors.index.json``, as
+    transformers reads it), a ``.safetensors`` file or an index; ``config.json`` and
+    ``generation_config.json`` come from its directory. ``device``: ``"cpu"`` or ``"cuda:N"``.
+    ``model_class``: ``transformers.AutoModelForCausalLM`` when None, or any Auto or model class.
+    ``dtype``: transformers' default when None (the config's dtype, else the checkpoint's).
+    Other keywords are transformers' own (``attn_implementation``, config overrides,
+    ``ignore_mismatched_sizes``, ``output_loading_info`` -- then ``(model, info)``...).
+
+    The load starts as soon as the checkpoint is found (after ``import transformers``); the
+    config, the model on the meta device, its non-persistent buffers (computed by each
+    architecture's own initialisation) and its ties are made while it runs. The call returns only
+    when every tensor has landed: nothing reachable from the model is ever on the meta device.
+    With ``warm_forward`` (default: on for CUDA) a one-token forward runs while the weights stream
+    in, each module waiting for its own tensors, so the first forward's one-time costs (kernel
+    loading, cuBLAS) are paid during the load; what it changed on the modules is put back.
+
+    Missing, unexpected and mismatched tensors are reported as transformers reports them (its
+    load report; a size mismatch raises unless ``ignore_mismatched_sizes``). What this path cannot
+    serve -- quantized checkpoints, weight conversions such as fused MoE experts, remote code,
+    adapters, ``.bin`` weights, ``device_map``/``variant``/``gguf_file``... -- is loaded by
+    transformers' own ``from_pretrained``, with a warning naming the reason.
+    """
+    auto_name = "AutoModelForCausalLM" if model_class is None else (
+        model_class.__name__ if getattr(model_class, "_model_mapping", None) is not None else None)
+    source, reason = hf_source.plan(path, device, auto_name, kwargs)
+    hf = machinery()   # imports transformers (before the load: its readers would slow that import)
+    reason = reason or hf.missing_api()
+    if reason is not None:
+        return hf.load_with_transformers(path if source is None else source.directory, device, model_class,
+                                         dtype, kwargs, reason, source)
+    from .torch import load_file
+    handle = load_file(source.weights, device=device, background=True)   # the I/O starts now
+    return hf.finish(source, handle, device, model_class, dtype, kwargs, warm_forward)
+
+
+def machinery():
+    """The transformers-dependent part, or an ImportError that says how to install it."""
+    try:
+        from .models import hf
+    except ImportError as e:
+        if (e.name or "").split(".")[0] not in ("transformers", "torch"):
+            raise
+        raise ImportError(f"fs.transformers needs {e.name.split('.')[0]}: "
+                          "pip install 'foxhunt-stream[transformers]'") from e
+    return hf

@@ -18,6 +18,8 @@ forward finished on the device, with stamps along the way (reported as phases). 
     foxhunt       fs.transformers.from_pretrained(dir, device=device), then the forward; in a
                   cold start preceded by fs.prefetch(dir) as the program's first statement
     foxhunt_no_prefetch   (cold only) foxhunt without the prefetch: what the prefetch buys
+    foxhunt_no_warm_forward   foxhunt with warm_forward=False: what the one-token forward run
+                  inside from_pretrained while the weights land buys
     empty_forward the floor, the model's storage allocated on the device, the forward (no
                   weights): the least a start that runs a forward can take
 
@@ -40,7 +42,7 @@ import time
 
 START = time.time()   # in a child: when Python reached this program (its spawn is stamped by the parent)
 
-VARIANTS = ("floor", "transformers", "foxhunt", "foxhunt_no_prefetch", "empty_forward")
+VARIANTS = ("floor", "transformers", "foxhunt", "foxhunt_no_prefetch", "foxhunt_no_warm_forward", "empty_forward")
 DEFAULT_VARIANTS = ("floor", "transformers", "foxhunt")
 COLD_ONLY = ("foxhunt_no_prefetch",)
 CRITERIA = {"hot": 0.25, "cold": 0.2}   # (foxhunt - F) <= bar x (transformers - F)
@@ -87,12 +89,18 @@ def build_foxhunt(directory: str, device: str, notes: list[str]):
     return fs.transformers.from_pretrained(directory, device=device)
 
 
+def build_foxhunt_no_warm_forward(directory: str, device: str, notes: list[str]):
+    import foxhunt_stream as fs
+    return fs.transformers.from_pretrained(directory, device=device, warm_forward=False)
+
+
 def build_empty_forward(directory: str, device: str, notes: list[str]):
     return meta_model(directory).to_empty(device=device).eval()
 
 
 BUILDERS = {"floor": build_floor, "transformers": build_transformers, "foxhunt": build_foxhunt,
-            "foxhunt_no_prefetch": build_foxhunt, "empty_forward": build_empty_forward}
+            "foxhunt_no_prefetch": build_foxhunt, "foxhunt_no_warm_forward": build_foxhunt_no_warm_forward,
+            "empty_forward": build_empty_forward}
 
 
 def forward(model, device: str) -> None:

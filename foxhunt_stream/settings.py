@@ -12,7 +12,7 @@ from typing import Literal, get_args
 
 from .errors import OptionError
 
-Backend = Literal["pread", "mmap", "direct"]     # how a load reads (io.source)
+Backend = Literal["auto", "pread", "mmap", "direct"]   # how a load reads (io.source)
 DirectIO = Literal["auto", "on", "off"]
 WriteBackend = Literal["auto", "mmap", "pwrite"]   # how a save writes (io.sink.AtomicFile)
 VerifyOn = Literal["auto", "read", "landed"]
@@ -61,7 +61,8 @@ class Settings:
                                      # load: three quarters of that, see background_threads)
     chunk_bytes: int = 8 << 20       # bytes per copy through a staging slot (8 MiB: best on the H200 machine)
     staging_bytes: int = 256 << 20   # pinned staging per device (slots = staging / chunk; 2 per worker)
-    backend: Backend = "pread"
+    backend: Backend = "auto"        # pread, and the column slices of files in the page cache gathered
+                                     # out of a mapping (io.source, engine.loader.gathering_files)
     direct_io: DirectIO = "auto"     # auto: O_DIRECT when the file is mostly not cached
     write_backend: WriteBackend = "auto"   # auto: mmap for big files on tmpfs written by >= 8 threads
     verify_on: VerifyOn = "auto"     # where verify=True hashes (auto: on the GPU for

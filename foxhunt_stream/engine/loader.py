@@ -50,12 +50,37 @@ def _backend_for(path: str, s: _settings.Settings) -> str:
     return s.backend
 
 
-def open_sources(ck: Checkpoint, s: _settings.Settings) -> list[FileSource]:
+# a file at least this much in the page cache (sampled) gathers its strided runs out of a mapping
+GATHER_RESIDENT = 0.9
+
+
+def gathering_files(ck: Checkpoint, s: _settings.Settings) -> frozenset[int]:
+    """The files whose strided runs (column slices) a load gathers row by row out of a mapping
+    instead of reading their whole row spans; the plan cuts those runs by the bytes they land.
+
+    With backend "auto" (the default) these are the files in the page cache. A cold file, or one
+    a prefetch is still filling, keeps positional reads of whole spans: through a mapping its
+    missing pages would come in one fault, one small read, at a time. With "mmap": every file
+    that is not read with O_DIRECT."""
+    if s.backend == "mmap":
+        return frozenset(i for i, p in enumerate(ck.paths) if _backend_for(p, s) == "mmap")
+    if s.backend != "auto" or s.direct_io == "on":
+        return frozenset()
+    return frozenset(i for i, p in enumerate(ck.paths)
+                     if not pagecache.prefetching(p) and pagecache.resident_fraction(p) >= GATHER_RESIDENT)
+
+
+def open_sources(ck: Checkpoint, s: _settings.Settings, gathered: frozenset[int] = frozenset()) -> list[FileSource]:
+    """One open source per file. Those in ``gathered`` (``gathering_files``, which the plan was cut
+    for) are opened with the mapping backend asked for; the others read with positional reads."""
     out = []
     try:
         for i, (p, h) in enumerate(zip(ck.paths, ck.headers)):
             pagecache.loading(p)   # a prefetch holding back for the imports: the load wants these bytes now
-            out.append(open_source(p, _backend_for(p, s), h.file_size))
+            backend = s.backend if i in gathered else _backend_for(p, s)
+            if i not in gathered and backend in ("auto", "mmap"):
+                backend = "pread"
+            out.append(open_source(p, backend, h.file_size))
             if ck.identities:   # the file opened must be the one whose header we hold
                 out[-1].identity = ck.identities[i]
                 out[-1].check_unchanged("file-replaced")
@@ -90,11 +115,13 @@ def reopen_if_replaced(fn):
 
 
 def plan_selections(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, verify: bool = False,
-                    devices: Device | Sequence[Device] = CPU) -> tuple[LoadPlan, _settings.Settings, Any]:
+                    devices: Device | Sequence[Device] = CPU, gathered: frozenset[int] = frozenset()
+                    ) -> tuple[LoadPlan, _settings.Settings, Any]:
     """The load plan; with ``verify``, chunks cut on checksum blocks and a Verifier to check them
-    (``devices``: where each selection lands, which decides verify_on="auto")."""
+    (``devices``: where each selection lands, which decides verify_on="auto"; ``gathered``: the
+    files whose sources will gather strided runs, ``gathering_files``)."""
     if not verify:
-        return plan_load(sels, s.chunk_bytes), s, None
+        return plan_load(sels, s.chunk_bytes, gathered=gathered), s, None
     on: str | list[str] = s.verify_on
     if on == "auto":   # a GPU has memory bandwidth to spare; the host's goes to the reads
         per = [devices] * len(sels) if isinstance(devices, Device) else list(devices)
@@ -102,7 +129,7 @@ def plan_selections(ck: Checkpoint, sels: list[Selection], s: _settings.Settings
     from ..integrity.verifier import Verifier   # imported only by loads that verify
     verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels], on=on)
     s = verifier.settings(s)
-    return plan_load(sels, s.chunk_bytes, granule=verifier.granule), s, verifier
+    return plan_load(sels, s.chunk_bytes, granule=verifier.granule, gathered=gathered), s, verifier
 
 
 def selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | None = None) -> list[Selection]:
@@ -127,11 +154,12 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
     ck = open_checkpoint(source)
     chosen = select(ck, names)
     devices, fw = where.for_names(chosen)
+    gathered = gathering_files(ck, s)
     plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify,
-                                        devices)
+                                        devices, gathered)
     if where.device_map is not None:
         plan = interleave_by_device(plan, devices)
-    sources = open_sources(ck, s)
+    sources = open_sources(ck, s, gathered)
     try:
         load = LoadInFlight(plan, sources, Destinations.allocate(fw, plan, devices), s, check=verifier,
                             progress=progress_bar(plan.nbytes, "load", progress), per_dest=background)
@@ -205,9 +233,10 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
         if b.device.is_cuda and (type(fw), b.device) not in settled:
             fw.settle(b.device)
             settled.add((type(fw), b.device))
+    gathered = gathering_files(ck, s)
     plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify,
-                                        [b.device for b in buffers])
-    sources = open_sources(ck, s)
+                                        [b.device for b in buffers], gathered)
+    sources = open_sources(ck, s, gathered)
     try:
         LoadInFlight(plan, sources, Destinations.fixed(buffers, [store[n] for n in chosen]), s,
                      check=verifier, progress=progress_bar(plan.nbytes, "load", progress)).finish()

@@ -20,7 +20,7 @@ from ..io import fileobj
 from ..io.checkpoint import Names, open_checkpoint, select
 from .destinations import Destinations
 from .inflight import LoadInFlight
-from .loader import close_all, open_sources, plan_selections, reopen_if_replaced, selections
+from .loader import close_all, gathering_files, open_sources, plan_selections, reopen_if_replaced, selections
 from .placement import placement
 from .progress import progress_bar
 
@@ -92,7 +92,9 @@ class safe_open:
             self._ck, sources = opened
         else:
             self._ck = open_checkpoint(opened)
-            sources = open_sources(self._ck, self._s)
+            sources = open_sources(self._ck, self._s, gathering_files(self._ck, self._s))
+        # the files stay open: the plans cut the strided runs of those that gather by the bytes they land
+        self._gathered = frozenset(i for i, src in enumerate(sources) if src.gathers)
         self._shared: SharedSources | None = SharedSources(sources)
         self._release = weakref.finalize(self, self._shared.release)   # once: at close(), or when dropped
 
@@ -156,7 +158,7 @@ class safe_open:
                shared: SharedSources | None = None):
         sources = (shared or self._check()).sources
         plan, s, verifier = plan_selections(self._ck, selections(self._ck, names, indices), self._s, self._verify,
-                                            self._dev)
+                                            self._dev, self._gathered)
         return LoadInFlight(plan, sources, Destinations.allocate(self._fw, plan, self._dev), s, check=verifier,
                             progress=progress_bar(plan.nbytes, "load", progress), per_dest=per_dest)
 

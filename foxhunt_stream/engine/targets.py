@@ -1,8 +1,9 @@
 """Targets: land a chunk of file bytes in its destination.
 
 ``HostTarget`` reads straight into the destination array when a chunk is one contiguous run
-(no staging), and through a scratch slot for strided (2-D) runs and O_DIRECT. A mapped source
-(``mmap`` backend) packs a strided run's rows itself (``gather``), touching only those bytes.
+(no staging), and through a scratch slot for strided (2-D) runs and O_DIRECT. A source with a
+mapping (``auto`` backend for files in the page cache, ``mmap``) packs a strided run's rows
+itself (``gather``), touching only their pages, straight into the destination or the slot.
 ``CudaTarget`` reads into a pinned slot of the worker's own ring, enqueues ``cudaMemcpyAsync``
 (or ``cudaMemcpy2DAsync`` for strided runs read as whole spans) on the worker's own non-blocking
 stream and records the slot's event, so the slot is reused as soon as its copy is done. With

@@ -3,17 +3,19 @@
 A load is a list of ``Chunk`` s. Each chunk is one 2-D copy (``Run``, from ``indexing``):
 ``height`` rows of ``width`` bytes, the rows ``pitch`` bytes apart in the file and packed in the
 destination. A whole tensor is one run of height 1; ``x[a:b]`` is one run; a column slice
-``x[:, a:b]`` is a run whose rows are the tensor's rows, so only the covered row span is read and
-only the selected bytes land (``cudaMemcpy2DAsync`` on the GPU, a strided copy on the host).
-``plan_load`` cuts the runs of the selections into chunks; the saver uses the same runs with
-height 1 to cut tensors into chunks (``plan_save``).
+``x[:, a:b]`` is a run whose rows are the tensor's rows. A source reads such a strided run either
+as its whole row span (positional reads cannot skip the gaps between rows) or by gathering only
+its rows out of a mapping of the file; only the selected bytes land either way.
+``plan_load`` cuts the runs of the selections into chunks: a strided run of a file whose source
+gathers by the bytes it lands, any other run by the span it reads. The saver uses the same runs
+with height 1 to cut tensors into chunks (``plan_save``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Collection, NamedTuple, Sequence
 
 from .dtypes import DType
 from .header import TensorInfo
@@ -56,19 +58,23 @@ class LoadPlan:
         return list(dict.fromkeys(c.dest for c in self.chunks))
 
 
-def split_run(run: Run, max_bytes: int, granule: int = 1) -> list[Run]:
-    """Cut a run into pieces whose source span is at most ``max_bytes``.
+def split_run(run: Run, max_bytes: int, granule: int = 1, packed: bool = False) -> list[Run]:
+    """Cut a run into pieces of at most ``max_bytes`` of source span, or with ``packed`` (the
+    source gathers the rows, touching nothing between them) of the bytes they land.
 
     Whole rows are kept together when a row fits; a row wider than ``max_bytes`` is cut into
     pieces that are multiples of ``granule`` bytes (except the last).
     """
     if max_bytes <= 0:
         raise ValueError("chunk size must be positive")
-    if run.span <= max_bytes:
+    if (run.nbytes if packed else run.span) <= max_bytes:
         return [run]
     out = []
     if run.width <= max_bytes and run.height > 1:
-        rows = max(1, (max_bytes - run.width) // run.pitch + 1) if run.pitch else run.height
+        if packed:
+            rows = max_bytes // run.width
+        else:
+            rows = max(1, (max_bytes - run.width) // run.pitch + 1) if run.pitch else run.height
         for r in range(0, run.height, rows):
             h = min(rows, run.height - r)
             out.append(Run(run.src + r * run.pitch, run.pitch if h > 1 else run.width, run.width, h,
@@ -92,11 +98,16 @@ class Selection:
     name: str | None = None  # result name; defaults to the tensor's
 
 
-def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 1) -> LoadPlan:
+def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 1,
+              gathered: Collection[int] = ()) -> LoadPlan:
     """Destinations and chunks for the selections, chunks in selection order.
 
     A tensor cut into pieces is cut at multiples of ``granule`` (and of its itemsize) from its
     start: with checksum blocks as the granule, every chunk holds whole blocks (see integrity).
+    ``gathered``: the files whose sources gather strided runs row by row. Their strided runs are
+    cut by the bytes that land, so a chunk of a TP=8 column slice carries ``chunk_bytes`` of the
+    slice rather than of the rows it crosses; every other run is cut by the span it reads, which
+    must fit a staging slot.
     """
     if granule > chunk_bytes:
         raise ValueError(f"granule ({granule}) larger than the chunk size ({chunk_bytes})")
@@ -106,13 +117,14 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
         shape, runs = slice_runs(s.info, s.data_start, s.index)
         dests.append(Destination(s.name or s.info.name, s.info.dtype, shape, sum(r.width * r.height for r in runs)))
         n = len(chunks)
+        packed = s.file in gathered
         for r in runs:
-            if r.span <= chunk_bytes:   # most runs of a plan: no cutting
+            if (r.nbytes if packed and r.height > 1 else r.span) <= chunk_bytes:   # most runs: no cutting
                 chunks.append(Chunk(s.file, i, r))
                 continue
             itemsize = s.info.dtype.itemsize
             g = granules.get(itemsize) or granules.setdefault(itemsize, math.lcm(granule, max(1, itemsize)))
-            chunks.extend(Chunk(s.file, i, piece) for piece in split_run(r, chunk_bytes, granule=g))
+            chunks.extend(Chunk(s.file, i, piece) for piece in split_run(r, chunk_bytes, granule=g, packed=packed))
         counts.append(len(chunks) - n)
     return LoadPlan(tuple(dests), tuple(chunks), tuple(counts))
 

@@ -2,8 +2,9 @@
 
 ``TPSlice(rank, world_size, dim)`` turns into one basic index per tensor (``x[:, a:b]``), so a
 rank's load is an ordinary sliced load: it goes through ``indexing.slice_runs`` like ``get_slice``
-does, reads only the covered rows (dim 0) or row span (later dims, landed as one 2-D copy per
-chunk), and works the same on every target.
+does, reads only the covered rows (dim 0) or, for later dims, the pages of its rows (gathered out
+of a mapping where the file is in the page cache; whole row spans otherwise), and works the same
+on every target.
 
 Sizes that do not divide evenly are split like ``numpy.array_split``: the first
 ``size % world_size`` ranks get one element more.

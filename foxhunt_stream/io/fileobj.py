@@ -90,6 +90,8 @@ class StreamSource(MemorySource):
                               path=self.path)
         self.bytes_read += want
 
+    gathers = False
+
     def gather(self, run, out: np.ndarray) -> bool:
         return False   # rows come one read at a time; the target reads the span instead
 

@@ -22,6 +22,7 @@ class MemorySource:
 
     backend = "memory"
     direct_reads = True   # reads land straight in any host buffer
+    gathers = True        # a strided run's rows are packed in one copy (``gather``)
     identity = None
     fd = -1
 

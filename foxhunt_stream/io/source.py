@@ -1,25 +1,31 @@
 """Sources: read byte ranges of a file into host memory.
 
-Three backends behind one small interface:
+Backends behind one small interface:
 
-* ``pread``  - ``os.preadv`` (the default; releases the GIL, and a truncated file is a short read,
-  never a SIGBUS);
-* ``mmap``   - a numpy copy out of a shared mapping (size re-checked before every read);
+* ``pread``  - ``os.preadv`` (releases the GIL, and a truncated file is a short read, never a
+  SIGBUS); a strided run (a column slice) is read as its whole row span;
+* ``auto``   - ``pread``, and the file also maps itself (``mapping.FileMap``) so that a strided
+  run is gathered row by row, touching only the pages of its rows (the default backend; the
+  loader gives it to files in the page cache, ``pread`` or ``direct`` to the others);
+* ``mmap``   - every read is a numpy copy out of the mapping;
 * ``direct`` - ``O_DIRECT`` reads of page-aligned spans into aligned buffers, bypassing the page
   cache (for cold files); the bytes wanted are a view into the over-read span.
 
-Every source counts the bytes it read (``bytes_read``), which tests use to prove that
+A copy out of a mapping re-checks the file's size first, so a file truncated before it is a
+FormatError; one truncated in place during the copy ends the process with SIGBUS (``pread``
+never maps). Every source counts what it read (``bytes_read``): the bytes of a positional read,
+the bytes of the pages a gather touches (``mapping.touched_bytes``). Tests use it to prove that
 unselected bytes are never read.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import FormatError
+from .mapping import FileMap, page_extents, touched_bytes
 from .pagecache import sendfile_to_null
 
 if TYPE_CHECKING:   # numpy is imported where it is used: a prefetch starts its code readers first
@@ -28,10 +34,11 @@ if TYPE_CHECKING:   # numpy is imported where it is used: a prefetch starts its 
     from ..format.plan import Run
 
 ALIGN = 4096
-BACKENDS = ("pread", "mmap", "direct")
+BACKENDS = ("auto", "pread", "mmap", "direct")
 
-# Test-only fault injection: when set, called as hook(source, offset, length) before each read.
-# It may raise (EIO...) or return a byte count to cut the read short. None costs one comparison.
+# Test-only fault injection: when set, called as hook(source, offset, length) before each read
+# (a gather: once per extent of the pages it touches). It may raise (EIO...) or return a byte
+# count to cut the read short. None costs one comparison.
 fault_hook: Callable[["FileSource", int, int], int | None] | None = None
 
 # Bytes read by every source of this process. load_file's sources are private and closed when it
@@ -51,18 +58,38 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
 
 
 class FileSource:
-    """An open file, read with positional reads. Thread-safe: reads share no file position."""
+    """An open file, read with positional reads. Thread-safe: reads share no file position.
+
+    With ``gather`` (backend ``auto``) it also maps the file, once, and ``gather`` packs strided
+    runs out of that mapping; the load's plan was cut for it (``plan_load(gathered=)``), so a file
+    that cannot be mapped is an error here, not a quiet fallback to reading whole spans."""
 
     backend = "pread"
     direct_reads = True   # can read straight into any host buffer (no alignment constraints)
     identity: tuple | None = None   # file_identity when its header was read (set by the loader)
 
-    def __init__(self, path: str | os.PathLike, expected_size: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, expected_size: int | None = None, gather: bool = False) -> None:
         self.path = os.fspath(path)
         self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self.expected_size = expected_size
         self._lock = threading.Lock()
         self.bytes_read = 0
+        self.map: FileMap | None = None
+        if gather:
+            self.backend = "auto"
+            self._map_file("gather column slices out of it")
+
+    def _map_file(self, why: str) -> None:
+        try:
+            self.map = FileMap(self.fd, self.size())
+        except (OSError, ValueError) as e:
+            self.close()
+            raise OSError(f"{self.path}: cannot map the file to {why} ({e}); load it with backend='pread'") from e
+
+    @property
+    def gathers(self) -> bool:
+        """Whether ``gather`` packs strided runs (the plan cuts them by the bytes they land)."""
+        return self.map is not None
 
     def _count(self, n: int) -> None:
         global _total_read
@@ -153,6 +180,8 @@ class FileSource:
 
     def read_span(self, offset: int, length: int, scratch: np.ndarray) -> np.ndarray:
         """The bytes ``[offset, offset+length)`` as a view, read into ``scratch`` if needed."""
+        if scratch.nbytes < length:
+            raise ValueError(f"a span of {length} bytes does not fit a scratch buffer of {scratch.nbytes}")
         view = scratch[:length]
         self.read_into(view, offset)
         return view
@@ -162,14 +191,35 @@ class FileSource:
         return length
 
     def gather(self, run: "Run", out: np.ndarray) -> bool:
-        """Pack the rows of a 2-D run into ``out[:run.nbytes]`` touching only their bytes, if this
-        source can (a mapped file); False means read the span with ``read_span`` instead.
+        """Pack the rows of a 2-D run into ``out[:run.nbytes]`` with one strided copy out of the
+        mapping (the GIL released), touching only the pages of those rows, and count those pages
+        as read. False without a mapping: positional reads cannot skip the gaps between rows, so
+        the caller reads the whole span with ``read_span``."""
+        m = self.map
+        if m is None:
+            return False
+        self._check_mapped(run.src, run.span, page_extents(run) if fault_hook is not None else ())
+        out[:run.nbytes].reshape(run.height, run.width)[...] = m.rows(run)
+        self._count(touched_bytes(run))
+        return True
 
-        Positional reads cannot skip the gaps between rows, so pread and O_DIRECT say False.
-        """
-        return False
+    def _check_mapped(self, offset: int, length: int, extents) -> None:
+        """Before a copy of ``[offset, offset+length)`` out of the mapping: the fault hook (on each
+        of ``extents``), then the file's size, so that a truncated file is FormatError
+        "file-truncated" and not a SIGBUS."""
+        if fault_hook is not None:
+            for off, n in extents:
+                r = self._inject(off, n)
+                if r is not None and r < n:
+                    raise self._short(offset, off + r - offset, length)
+        size = min(self.size(), self.map.size)
+        if offset + length > size:
+            raise self._short(offset, max(0, size - offset), length)
 
     def close(self) -> None:
+        if self.map is not None:
+            self.map.close()   # a used mapping goes on a thread of its own (mapping.FileMap.close)
+            self.map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -182,57 +232,20 @@ class FileSource:
 
 
 class MmapSource(FileSource):
-    """Copies out of a shared read-only mapping; re-checks the size first to avoid SIGBUS."""
+    """Every read is a copy out of the mapping (a cold file's pages fault in one by one)."""
 
     backend = "mmap"
 
     def __init__(self, path, expected_size=None):
         super().__init__(path, expected_size)
-        size = self.size()
-        self._map = mmap.mmap(self.fd, size, prot=mmap.PROT_READ) if size else None
-        import numpy as np
-        self._array = np.frombuffer(self._map, np.uint8) if size else np.empty(0, np.uint8)
+        self._map_file("read it")
 
     def read_into(self, out: np.ndarray, offset: int) -> None:
         want = out.nbytes
-        limit = want
-        if fault_hook is not None:
-            r = self._inject(offset, want)
-            if r is not None:
-                limit = r
-        if offset + want > min(self.size(), self._array.size) or limit < want:
-            raise self._short(offset, max(0, min(limit, self.size() - offset)), want)
+        self._check_mapped(offset, want, [(offset, want)])
         import numpy as np
-        np.copyto(out.reshape(-1), self._array[offset:offset + want])
+        np.copyto(out.reshape(-1), self.map.bytes(offset, want))
         self._count(want)
-
-    def gather(self, run: "Run", out: np.ndarray) -> bool:
-        """One strided copy out of the mapping: a column slice ``x[:, a:b]`` touches only its
-        columns' bytes instead of copying every row whole into scratch (``bytes_read`` counts the
-        bytes copied; the fault hook sees the run's whole span, which must exist)."""
-        limit = run.span
-        if fault_hook is not None:
-            r = self._inject(run.src, run.span)
-            if r is not None:
-                limit = r
-        if run.src + run.span > min(self.size(), self._array.size) or limit < run.span:
-            raise self._short(run.src, max(0, min(limit, self.size() - run.src)), run.span)
-        import numpy as np
-        rows = np.lib.stride_tricks.as_strided(self._array[run.src:], (run.height, run.width), (run.pitch, 1),
-                                               writeable=False)
-        out[:run.nbytes].reshape(run.height, run.width)[...] = rows
-        self._count(run.nbytes)
-        return True
-
-    def close(self):
-        self._array = None
-        if getattr(self, "_map", None) is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view is still alive somewhere; the GC will unmap
-                pass
-            self._map = None
-        super().close()
 
 
 class DirectSource(FileSource):
@@ -294,8 +307,10 @@ class DirectSource(FileSource):
 
 
 def open_source(path, backend: str = "pread", expected_size: int | None = None) -> FileSource:
-    if backend == "pread":
-        return FileSource(path, expected_size)
+    """A source for ``backend``; ``auto`` maps the file for gathers (the loader gives ``auto`` only
+    to files in the page cache)."""
+    if backend in ("pread", "auto"):
+        return FileSource(path, expected_size, gather=backend == "auto")
     if backend == "mmap":
         return MmapSource(path, expected_size)
     if backend == "direct":

@@ -1,5 +1,6 @@
 """The GPU target's bookkeeping on a host-only stand-in for cupy (tests/fakecuda): every chunk
-lands where it belongs (contiguous and 2-D runs), each worker's ring comes from the device pool
+lands where it belongs (contiguous and 2-D runs, and runs a source gathers: packed, one contiguous
+copy), each worker's ring comes from the device pool
 and goes back to it whole, and a settings change that replaces the pool mid-load does not mix
 slots of two sizes. Runs in a subprocess so the stand-in never shadows a real cupy."""
 
@@ -90,6 +91,21 @@ SCRIPT = textwrap.dedent("""
     assert np.array_equal(dev_mem[:8192], data[4096:4096 + 8192])
     t4.release_worker(0)
 
+    # a source that gathers (backend "auto"): a 2-D run's rows are packed into the slot and go to
+    # the device with one contiguous copy, not a 2-D one
+    gsrc = source.open_source(path, "auto")
+    t5 = target.CudaTarget(0, 4096, 2, threads=1)
+    two_d = []
+    real_2d = cupy.cuda.runtime.memcpy2DAsync
+    cupy.cuda.runtime.memcpy2DAsync = lambda *a: two_d.append(a) or real_2d(*a)
+    dev_mem[:] = 0
+    t5.land(0, gsrc, plan.Run(src=1000, pitch=3000, width=300, height=12, dst=64), buf)
+    cupy.cuda.runtime.memcpy2DAsync = real_2d
+    t5.release_worker(0)
+    gsrc.close()
+    want = np.concatenate([data[1000 + r * 3000:1000 + r * 3000 + 300] for r in range(12)])
+    assert np.array_equal(dev_mem[64:64 + 3600], want) and two_d == []
+
     # a whole Landing onto the stand-in "GPU": more threads than slots are capped, the data lands,
     # checksums are checked on the way, every slot comes back
     import foxhunt_stream as fs
@@ -115,6 +131,27 @@ SCRIPT = textwrap.dedent("""
         assert all(np.array_equal(a, tensors[n]) for a, n in zip(arrays, names))
         pool = staging.pinned_pool(0, s2.chunk_bytes + 2 * 4096, s2.n_slots)
         assert pool.free_count() == pool.n_slots
+
+    # a column slice of a file in the page cache, the whole way: chunks carry at most a chunk of
+    # the slice though their rows span more than a pinned slot holds, and land packed
+    x = rng.standard_normal((64, 1000)).astype(np.float32)
+    col_path = path + ".col.safetensors"
+    fs.save_file({"x": x}, col_path)
+    ck = open_checkpoint(col_path)
+    s = settings.merge(chunk_bytes=4096, staging_bytes=4 * 4096, threads=2)
+    from foxhunt_stream.io import pagecache
+    pagecache.resident_fraction = lambda p, samples=64: 1.0   # even if the caches were dropped meanwhile
+    gathered = loader.gathering_files(ck, s)
+    assert gathered == {0}
+    sels = loader.selections(ck, ["x"], {"x": (slice(None), slice(250, 500))})
+    plan_, s2, _ = loader.plan_selections(ck, sels, s, gathered=gathered)
+    assert max(c.run.nbytes for c in plan_.chunks) <= 4096 < 4096 + 2 * 4096 < max(c.run.span for c in plan_.chunks)
+    out = np.zeros((64, 250), np.float32)
+    sources = loader.open_sources(ck, s2, gathered)
+    dest = destinations.Destinations.fixed([Buffer(device.Device("cuda", 0), out.nbytes, None, out.ctypes.data)], [out])
+    inflight.LoadInFlight(plan_, sources, dest, s2).finish()
+    loader.close_all(sources)
+    assert np.array_equal(out, x[:, 250:500])
     print("ok")
 """)
 

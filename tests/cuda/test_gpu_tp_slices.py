@@ -50,7 +50,7 @@ def ckpt(tmp_path_factory):
     return write_checkpoint(str(tmp_path_factory.mktemp("gpu") / "ckpt"), t), t
 
 
-@pytest.mark.parametrize("backend", ["pread", "mmap"])   # 2-D copy of spans / rows packed by the source
+@pytest.mark.parametrize("backend", ["pread", "mmap", "auto"])   # 2-D copy of spans / rows packed by the source
 @pytest.mark.parametrize("framework", ["cupy", "pt"])
 @pytest.mark.parametrize("world", [3, 8])
 @pytest.mark.parametrize("rule", [0, 1, -1, RULE], ids=["dim0", "dim1", "dim-1", "per-name"])

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import foxhunt_stream as fs
-from foxhunt_stream.io import sink, source
+from foxhunt_stream.io import mapping, sink, source
 from foxhunt_stream.engine.pipeline import Job
 
 SMALL = dict(chunk_bytes=4096, staging_bytes=32 << 10)
@@ -52,6 +52,7 @@ def clean_process():
     """Snapshot fds before; after the test body, no foxhunt thread and no new fd may remain."""
     before = open_fds()
     yield
+    assert mapping.wait_unmapped(30)   # a used mapping is unmapped on a thread of its own after the load
     assert foxhunt_threads() == []
     leaked = {fd for fd in open_fds() - before if os.path.exists(f"/proc/self/fd/{fd}")}
     assert leaked == set(), [os.readlink(f"/proc/self/fd/{fd}") for fd in leaked]

@@ -15,8 +15,10 @@ import safetensors.numpy as stn
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 import foxhunt_stream as fs
-from foxhunt_stream.io import source as fsource
+from foxhunt_stream.format.indexing import Run
+from foxhunt_stream.io import pagecache, source as fsource
 from foxhunt_stream.io.checkpoint import INDEX_NAME, read_header
+from foxhunt_stream.io.mapping import PAGE, touched_bytes
 from sharded_support import RULE, SHARDS, make_tensors, write_checkpoint
 
 @pytest.fixture
@@ -429,12 +431,13 @@ def test_dim0_shard_reads_only_its_rows(tmp_path, read_log, rank):
 
 
 @pytest.mark.parametrize("rank", [0, 1, 3])
-def test_last_dim_shard_reads_only_the_covered_row_span_in_chunks(tmp_path, read_log, rank):
+def test_last_dim_shard_by_positional_reads_reads_the_covered_row_span_in_chunks(tmp_path, read_log, rank):
+    """backend="pread" (and a file not in the page cache) reads a column slice as whole row spans."""
     x = np.arange(40 * 250, dtype=np.float32).reshape(40, 250)   # 40 kB; 250 cols over 4 ranks: 63,63,62,62
     d, path = _one_tensor_ckpt(tmp_path, x)
     read_log.reads.clear()
     chunk = 8192
-    out = fs.load_file(d, names=["w"], shard=fs.Shard(rank, 4, -1), chunk_bytes=chunk)
+    out = fs.load_file(d, names=["w"], shard=fs.Shard(rank, 4, -1), chunk_bytes=chunk, backend="pread")
     want = np.array_split(x, 4, axis=1)[rank]
     np.testing.assert_array_equal(out["w"], want)
     bounds = np.cumsum([0] + [p.shape[1] for p in np.array_split(x, 4, axis=1)])
@@ -461,18 +464,24 @@ def test_plan_for_a_column_shard_is_2d_runs(ckpt):
     assert (c.run.width, c.run.height, c.run.pitch) == (3 * 4, 10, 7 * 4)
 
 
-def test_mapped_source_copies_only_the_selected_columns(tmp_path):
-    x = np.arange(40 * 250, dtype=np.float32).reshape(40, 250)
+@pytest.mark.parametrize("backend", ["mmap", "auto"])
+def test_mapped_sources_touch_only_the_pages_of_the_selected_columns(tmp_path, monkeypatch, backend):
+    monkeypatch.setattr(pagecache, "resident_fraction", lambda p, samples=64: 1.0)   # "auto": in the page cache
+    x = np.arange(16 * 8192, dtype=np.float32).reshape(16, 8192)   # rows of 32 KiB
     d, path = _one_tensor_ckpt(tmp_path, x)
-    with fs.safe_open(path, backend="mmap", direct_io="off", chunk_bytes=8192) as f:
-        got = f.get_slice("w")[:, 63:126]
+    start, _ = tensor_span(path, "w")
+    run = Run(start + 1024 * 4, 8192 * 4, 512 * 4, 16, 0)          # [:, 1024:1536]: 2 KiB of each row
+    with fs.safe_open(path, backend=backend, direct_io="off") as f:
+        got = f.get_slice("w")[:, 1024:1536]
         (src,) = f._sources
-        assert src.backend == "mmap"
-        assert src.bytes_read == got.nbytes       # strided copy out of the mapping, gaps untouched
-    np.testing.assert_array_equal(got, x[:, 63:126])
-    with fs.safe_open(path, backend="pread", direct_io="off", chunk_bytes=8192) as f:
-        f.get_slice("w")[:, 63:126]
-        assert f._sources[0].bytes_read > 2 * got.nbytes   # positional reads copy whole row spans
+        assert src.backend == backend
+        assert src.bytes_read == touched_bytes(run)                # the pages of the rows, not the gaps
+    np.testing.assert_array_equal(got, x[:, 1024:1536])
+    if PAGE == 4096:
+        assert touched_bytes(run) <= 2 * 4096 * 16 < run.span // 3
+    with fs.safe_open(path, backend="pread", direct_io="off") as f:
+        f.get_slice("w")[:, 1024:1536]
+        assert f._sources[0].bytes_read == run.span                # positional reads copy the whole row span
 
 
 def test_mapped_gather_reports_a_truncated_file(tmp_path, monkeypatch):

@@ -5,7 +5,8 @@
 * slicing: ``safe_open(...).get_slice(name)[index]`` equals numpy's ``arr[index]`` for random
   basic indices; unsupported indices raise IndexError/TypeError;
 * planning (pure, no files): ``indexing.slice_runs`` runs copy exactly the selected bytes, and
-  ``plan.split_run`` pieces stay within the chunk size and reassemble to the original run.
+  ``plan.split_run`` pieces stay within the chunk size (of span, or of landed bytes for a source
+  that gathers rows) and reassemble to the original run.
 """
 
 from __future__ import annotations
@@ -289,20 +290,33 @@ def runs(draw):
 
 
 @bounded(300)
-@given(rg=runs(), data=st.data())
-def test_split_run_pieces_fit_and_reassemble(rg, data):
+@given(rg=runs(), packed=st.booleans(), data=st.data())
+def test_split_run_pieces_fit_and_reassemble(rg, packed, data):
     run, granule = rg
     max_bytes = data.draw(st.integers(granule, run.span + 8))
-    pieces = split_run(run, max_bytes, granule)
-    assert all(p.span <= max_bytes and p.width % granule == 0 and p.height >= 1 for p in pieces)
+    pieces = split_run(run, max_bytes, granule, packed=packed)
+    size_of = (lambda p: p.nbytes) if packed else (lambda p: p.span)
+    assert all(size_of(p) <= max_bytes and p.width % granule == 0 and p.height >= 1 for p in pieces)
     assert sum(p.nbytes for p in pieces) == run.nbytes
     src = bytes(np.random.default_rng(run.src).integers(0, 256, run.src + run.span, dtype=np.uint8))
     size = run.dst + run.nbytes
     want, want_hits = _copy([run], src, size)
     got, hits = _copy(pieces, src, size)
     assert got == want and (hits == want_hits).all()
-    if run.span <= max_bytes:
+    if size_of(run) <= max_bytes:
         assert pieces == [run]
+    if packed and run.width <= max_bytes:   # whole rows, as many as the landed bytes allow
+        assert all(p.height == min(max_bytes // run.width, run.height - (p.dst - run.dst) // run.width)
+                   for p in pieces)
+
+
+def test_a_packed_cut_carries_a_chunk_of_the_slice_not_of_the_span():
+    """Rank 0's TP=8 slice of down_proj [4096, 14336] bf16: 4096 rows of 3584 bytes, 28672 apart."""
+    run = Run(1000, 28672, 3584, 4096, 0)
+    chunk = 8 << 20
+    by_span, by_slice = split_run(run, chunk), split_run(run, chunk, packed=True)
+    assert max(p.span for p in by_span) <= chunk and len(by_span) == 14
+    assert max(p.nbytes for p in by_slice) <= chunk and [p.height for p in by_slice] == [2340, 1756]
 
 
 def test_split_run_granule_wins_over_a_smaller_chunk():
@@ -328,6 +342,12 @@ def test_plan_load_chunks_reassemble_the_slice(shape, data):
     src = bytes(np.random.default_rng(0).integers(0, 256, info.end + N_LEN + 24, dtype=np.uint8))
     got, hits = _copy([c.run for c in plan.chunks], src, size)
     want, _ = _copy(direct, src, size)
+    assert got == want and (hits == 1).all()
+    gathered = plan_load([Selection(0, N_LEN + 24, info, idx)], chunk, gathered={0})   # rows packed by the source
+    assert gathered.destinations == plan.destinations
+    assert all(c.run.nbytes <= chunk and (c.run.height > 1 or c.run.span <= chunk) for c in gathered.chunks)
+    assert len(gathered.chunks) <= len(plan.chunks)
+    got, hits = _copy([c.run for c in gathered.chunks], src, size)
     assert got == want and (hits == 1).all()
 
 

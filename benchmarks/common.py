@@ -158,10 +158,11 @@ def timed(fn: Callable[[], Any], device: str) -> float:
     return seconds
 
 
-def interleaved(cases: dict[str, Callable[[], Any]], rounds: int, device: str, warmup: bool = True
-                ) -> dict[str, list[float]]:
+def interleaved(cases: dict[str, Callable[[], Any]], rounds: int, device: str, warmup: bool = True,
+                after: Callable[[str, float], None] | None = None) -> dict[str, list[float]]:
     """Seconds of each case in each of ``rounds`` rounds, the cases taking turns within a round
-    (the order rotated each round), so that the machine's drift touches all of them alike."""
+    (the order rotated each round), so that the machine's drift touches all of them alike.
+    ``after(name, seconds)``, untimed, follows each timed run (to settle what it left behind)."""
     if warmup:
         for fn in cases.values():
             timed(fn, device)
@@ -170,6 +171,8 @@ def interleaved(cases: dict[str, Callable[[], Any]], rounds: int, device: str, w
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             out[name].append(timed(cases[name], device))
+            if after is not None:
+                after(name, out[name][-1])
     return out
 
 

@@ -63,7 +63,7 @@ class Settings:
     staging_bytes: int = 256 << 20   # pinned staging per device (slots = staging / chunk; 2 per worker)
     backend: Backend = "auto"        # pread, and the column slices of files in the page cache gathered
                                      # out of a mapping (io.source, engine.loader.gathering_files)
-    direct_io: DirectIO = "auto"     # auto: O_DIRECT when the file is mostly not cached
+    direct_io: DirectIO = "auto"     # auto: O_DIRECT only for files that would not stay in the cache
     write_backend: WriteBackend = "auto"   # auto: mmap for big files on tmpfs written by >= 8 threads
     verify_on: VerifyOn = "auto"     # where verify=True hashes (auto: on the GPU for
                                      # xxh3-64 tensors landing there, else as chunks are read; integrity.Verifier)

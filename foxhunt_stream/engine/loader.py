@@ -19,7 +19,7 @@ from ..errors import FormatError, StoreMismatchError
 from ..format.dtypes import host_shape
 from ..format.plan import LoadPlan, Selection, plan_load
 from ..format.tp import TPSlice, indices_for, shard_shape
-from ..io import pagecache
+from ..io import cache_policy, pagecache
 from ..io.checkpoint import Checkpoint, Names, open_checkpoint, select
 from ..io.source import FileSource, open_source
 from .destinations import Destinations
@@ -41,13 +41,26 @@ class LoadIntoWarning(UserWarning):
                          f"unexpected name(s) {unexpected[:10]} were skipped")
 
 
-def _backend_for(path: str, s: _settings.Settings) -> str:
+def read_backends(ck: Checkpoint, s: _settings.Settings, needs: Sequence[int] | None = None) -> list[str]:
+    """The read backend of each file of ``ck``. ``direct_io="auto"`` reads around the page cache
+    (O_DIRECT) only the files that would not stay in it (``io.cache_policy``), given the bytes
+    ``needs`` the load reads from each file (default: whole files). A file a prefetch is filling
+    is read through the cache, not around it."""
     if s.direct_io == "on":
-        return "direct"
-    # a file that a prefetch is filling into the page cache is read through it, not around it
-    if s.direct_io == "auto" and not pagecache.prefetching(path) and pagecache.resident_fraction(path) < 0.5:
-        return "direct"
-    return s.backend
+        return ["direct"] * len(ck.paths)
+    if s.direct_io == "off":
+        return [s.backend] * len(ck.paths)
+    needs = list(needs) if needs is not None else [h.file_size for h in ck.headers]
+    through = cache_policy.read_through_cache(ck.paths, needs)
+    return [s.backend if keep or pagecache.prefetching(p) else "direct" for p, keep in zip(ck.paths, through)]
+
+
+def file_bytes(plan: LoadPlan, n_files: int) -> list[int]:
+    """The bytes a plan reads from each of ``n_files`` files (a strided run: its whole span)."""
+    out = [0] * n_files
+    for c in plan.chunks:
+        out[c.file] += c.run.span
+    return out
 
 
 # a file at least this much in the page cache (sampled) gathers its strided runs out of a mapping
@@ -63,21 +76,25 @@ def gathering_files(ck: Checkpoint, s: _settings.Settings) -> frozenset[int]:
     missing pages would come in one fault, one small read, at a time. With "mmap": every file
     that is not read with O_DIRECT."""
     if s.backend == "mmap":
-        return frozenset(i for i, p in enumerate(ck.paths) if _backend_for(p, s) == "mmap")
+        return frozenset(i for i, b in enumerate(read_backends(ck, s)) if b == "mmap")
     if s.backend != "auto" or s.direct_io == "on":
         return frozenset()
     return frozenset(i for i, p in enumerate(ck.paths)
                      if not pagecache.prefetching(p) and pagecache.resident_fraction(p) >= GATHER_RESIDENT)
 
 
-def open_sources(ck: Checkpoint, s: _settings.Settings, gathered: frozenset[int] = frozenset()) -> list[FileSource]:
-    """One open source per file. Those in ``gathered`` (``gathering_files``, which the plan was cut
-    for) are opened with the mapping backend asked for; the others read with positional reads."""
+def open_sources(ck: Checkpoint, s: _settings.Settings, gathered: frozenset[int] = frozenset(), *,
+                 needs: Sequence[int] | None = None) -> list[FileSource]:
+    """One open source per file, each checked to be the file whose header we hold. Those in
+    ``gathered`` (``gathering_files``, which the plan was cut for) are opened with the mapping
+    backend asked for; the others read with positional reads, through the page cache or around it
+    (``read_backends``; ``needs``: the bytes the load reads from each file)."""
     out = []
     try:
+        backends = read_backends(ck, s, needs)
         for i, (p, h) in enumerate(zip(ck.paths, ck.headers)):
             pagecache.loading(p)   # a prefetch holding back for the imports: the load wants these bytes now
-            backend = s.backend if i in gathered else _backend_for(p, s)
+            backend = s.backend if i in gathered else backends[i]
             if i not in gathered and backend in ("auto", "mmap"):
                 backend = "pread"
             out.append(open_source(p, backend, h.file_size))
@@ -159,7 +176,7 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
                                         devices, gathered)
     if where.device_map is not None:
         plan = interleave_by_device(plan, devices)
-    sources = open_sources(ck, s, gathered)
+    sources = open_sources(ck, s, gathered, needs=file_bytes(plan, len(ck.paths)))
     try:
         load = LoadInFlight(plan, sources, Destinations.allocate(fw, plan, devices), s, check=verifier,
                             progress=progress_bar(plan.nbytes, "load", progress), per_dest=background)
@@ -236,7 +253,7 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
     gathered = gathering_files(ck, s)
     plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify,
                                         [b.device for b in buffers], gathered)
-    sources = open_sources(ck, s, gathered)
+    sources = open_sources(ck, s, gathered, needs=file_bytes(plan, len(ck.paths)))
     try:
         LoadInFlight(plan, sources, Destinations.fixed(buffers, [store[n] for n in chosen]), s,
                      check=verifier, progress=progress_bar(plan.nbytes, "load", progress)).finish()

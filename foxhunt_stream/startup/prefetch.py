@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from .. import settings as _settings
 from ..engine.pipeline import Job
-from ..io import pagecache
+from ..io import cache_policy, pagecache
 from ..io.pagecache import resident_fraction
 from ..io.source import FileSource, open_source
 from .code_files import TracedCodeReader
@@ -128,15 +128,16 @@ class PrefetchHandle:
     def __init__(self, ck: Checkpoint, pieces: list[Piece], sources: dict[int, FileSource],
                  name_pieces: dict[str, tuple[int, int]], threads: int, method: str,
                  priority: str = "normal", code: TracedCodeReader | None = None,
-                 max_rate: float | None = None, helper_process: bool = False) -> None:
+                 max_rate: float | None = None, helper_process: bool = False, skipped: Sequence[str] = ()) -> None:
         self.paths = list(ck.paths)
+        self.skipped = list(skipped)   # files a load would read around the page cache: not prefetched
         self.pieces = pieces
         self.nbytes = sum(p.length for p in pieces)
         self.priority = priority
         self.started = time.perf_counter()
         self.finished: float | None = None
         self._code = code   # the code files, read first (started by prefetch before this handle)
-        self._real_paths = {os.path.realpath(p) for p in ck.paths}
+        self._real_paths = {os.path.realpath(p) for p in ck.paths if p not in self.skipped}
         self._sources = sources
         self._name_pieces = name_pieces
         self._method = method
@@ -379,7 +380,9 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     ``source`` and ``names`` are as in ``load_file`` (``names=None``: whole files). ``method``:
     ``"read"`` (read each piece: done() means resident) or ``"advise"`` (``posix_fadvise
     (WILLNEED)`` only: no reads, but the kernel may still be reading after done()). Files already
-    fully resident are skipped (``skip_resident``). Options as for the loader: ``threads``
+    fully resident are skipped (``skip_resident``), and so are the files a load would read around
+    the page cache, which would not stay in it (``io.cache_policy``; listed in ``skipped``).
+    Options as for the loader: ``threads``
     (readers; default the loader's count, at most 8), ``chunk_bytes`` (the piece each reader
     takes at a time). ``priority``: ``"idle"`` (the startup case: the readers' I/O in the idle
     class, ``set_idle_io_priority``; their files' readahead off, ``IDLE_READ_MODE``; 8 readers of
@@ -416,13 +419,13 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     if modules or imports:   # first: the code readers fetch numpy's files while we import it
         code = TracedCodeReader(modules, imports, s.chunk_bytes, skip_resident, advise_only=method == "advise")
     try:
-        ck, pieces, name_pieces, sources = _plan_reads(source, names, s.chunk_bytes, skip_resident)
+        ck, pieces, name_pieces, sources, skipped = _plan_reads(source, names, s, skip_resident)
     except BaseException:
         if code is not None:   # a bad checkpoint: the code readers stop too
             code.cancel()
         raise
     return PrefetchHandle(ck, pieces, sources, name_pieces, threads, method, priority, code, max_rate,
-                          helper_process)
+                          helper_process, skipped)
 
 
 def _check_arguments(method: str, priority: str, max_rate: float | None, helper_process: bool | None,
@@ -448,8 +451,27 @@ def _check_arguments(method: str, priority: str, max_rate: float | None, helper_
     return bool(helper_process)
 
 
-def _plan_reads(source, names: Names, chunk_bytes: int, skip_resident: bool):
-    """The checkpoint, its pieces to read, each name's range of pieces, and the files opened."""
+def _beyond_the_cache(paths: Sequence[str], spans: list[list[tuple[int, int]]], s: _settings.Settings) -> list[str]:
+    """The files a load would read around the page cache (``io.cache_policy``, or ``direct_io="on"``):
+    warming them would only evict the rest, and the load would not read them from the cache."""
+    if s.direct_io == "off":
+        return []
+    wanted = [f for f, file_spans in enumerate(spans) if file_spans]
+    if s.direct_io == "on":
+        skipped = [paths[f] for f in wanted]
+    else:
+        keep = cache_policy.read_through_cache([paths[f] for f in wanted],
+                                               [sum(end - start for start, end in spans[f]) for f in wanted])
+        skipped = [paths[f] for f, k in zip(wanted, keep) if not k]
+    if skipped:
+        log.debug("prefetch: %d file(s) left to the load's direct reads (they would not stay in the page cache): %s",
+                  len(skipped), skipped)
+    return skipped
+
+
+def _plan_reads(source, names: Names, s: _settings.Settings, skip_resident: bool):
+    """The checkpoint, its pieces to read, each name's range of pieces, the files opened, and the
+    paths left out because a load would read them around the page cache."""
     from ..io.checkpoint import open_checkpoint, select   # numpy: once the code readers run
     sources: dict[int, FileSource] = {}
     try:
@@ -460,10 +482,14 @@ def _plan_reads(source, names: Names, chunk_bytes: int, skip_resident: bool):
             for f, path in enumerate(ck.paths):
                 if spans[f] and resident_fraction(path, samples=1 << 62) >= 1.0:
                     spans[f] = []
-        pieces = plan_pieces(spans, chunk_bytes)
+        skipped = _beyond_the_cache(ck.paths, spans, s)
+        for f, path in enumerate(ck.paths):
+            if path in skipped:
+                spans[f] = []
+        pieces = plan_pieces(spans, s.chunk_bytes)
         for f in sorted({p.file for p in pieces}):
             sources[f] = open_source(ck.paths[f], "pread", ck.headers[f].file_size)
-        return ck, pieces, _name_pieces(ck, chosen, pieces), sources
+        return ck, pieces, _name_pieces(ck, chosen, pieces), sources, skipped
     except BaseException:
         _close_sources(sources)
         raise

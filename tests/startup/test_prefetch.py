@@ -19,7 +19,7 @@ from hypothesis import given, settings as hsettings, strategies as st
 import foxhunt_stream as fs
 from foxhunt_stream.engine import pipeline
 from foxhunt_stream.engine.loader import open_sources
-from foxhunt_stream.io import pagecache, source
+from foxhunt_stream.io import cache_policy, pagecache, source
 from foxhunt_stream.io.checkpoint import open_checkpoint
 from foxhunt_stream.settings import merge
 from foxhunt_stream.startup import prefetch as prefetch_mod
@@ -164,9 +164,11 @@ def test_prefetch_rejects_unknown_method(checkpoint):
 
 
 def test_the_loader_reads_through_the_cache_while_a_prefetch_fills_it(checkpoint, monkeypatch):
-    """A cold file is loaded with O_DIRECT, except while a prefetch of it runs: then both read
-    through the page cache instead of racing for the disk."""
+    """A cold file that would not stay in the page cache is loaded with O_DIRECT, except while a
+    prefetch of it runs: then both read through the page cache instead of racing for the disk."""
     monkeypatch.setattr(pagecache, "resident_fraction", lambda p: 0.0)   # "cold"
+    monkeypatch.setattr(cache_policy, "available_memory", lambda: 0)      # ... and too big to keep
+    monkeypatch.setattr(prefetch_mod, "_beyond_the_cache", lambda paths, spans, s: [])   # prefetched anyway
     s = merge(direct_io="auto")
 
     def backend() -> str:

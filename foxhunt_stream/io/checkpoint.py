@@ -88,6 +88,8 @@ class Checkpoint:
         return merged or None
 
     def file_order(self) -> list[str]:
+        """Every tensor name in file order: the files in their order (an index's and a
+        directory's by file name, a list's as given), each file's tensors by offset."""
         return [t.name for h in self.headers for t in h.tensors]
 
 
@@ -179,6 +181,7 @@ def _from_index(index_path: str) -> Resolved:
         checked[fname] = full
     meta = obj.get("metadata")
     weight_map = {k: checked[v] for k, v in obj["weight_map"].items()}
+    files.sort()   # file order is file-name order (model-00001-of-N first), not the index's name order
     return Resolved(files, weight_map, meta if isinstance(meta, dict) else None, index_path)
 
 

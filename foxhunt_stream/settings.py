@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import os
 import re
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Literal, get_args
 
@@ -115,7 +117,26 @@ def _coerce(name: str, value):
     return value
 
 
+# FOXHUNT_* variables read elsewhere: cuda.runtime's choice of CUDA runtime, and the project's
+# own test and benchmark knobs. Any other FOXHUNT_* name is a misspelling, warned about once.
+OTHER_VARIABLES = ("FOXHUNT_CUDART", "FOXHUNT_STRESS_SECONDS", "FOXHUNT_BENCH_BYTES")
+_warned: set[str] = set()
+
+
+def _warn_unknown_variables() -> None:
+    """One warning per unknown ``FOXHUNT_*`` variable of the environment, per process."""
+    known = {"FOXHUNT_" + f.name.upper() for f in fields(Settings)} | set(OTHER_VARIABLES)
+    for name in sorted(os.environ):
+        if name.startswith("FOXHUNT_") and name not in known and name not in _warned:
+            _warned.add(name)
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            warnings.warn(f"environment variable {name} is not a foxhunt_stream setting ({hint}known: "
+                          f"{', '.join(sorted(known))}); it is ignored", UserWarning, stacklevel=4)
+
+
 def _from_env() -> Settings:
+    _warn_unknown_variables()
     kw = {}
     for f in fields(Settings):
         env = "FOXHUNT_" + f.name.upper()

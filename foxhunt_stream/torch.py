@@ -25,15 +25,20 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-import torch
+from .engine.frameworks import import_torch
 
-from . import api
-from .engine.safe_open import safe_open
-from .engine.serialize import TensorSpec, deserialize, serialize, serialize_file
-from .format.dtypes import DTYPES
-from .models.torch_load import LoadModelError, StreamedLoad, load_model
-from .models.torch_state import (MaterializeWarning, check_savable, end_ptr, find_shared_tensors, is_complete,
-                                 materialize, remove_duplicate_names, shared_aliases, storage_ptr, storage_size)
+import_torch()   # without torch: an error saying how to install it, not a bare ModuleNotFoundError
+
+import torch  # noqa: E402
+
+from . import api  # noqa: E402
+from .engine.safe_open import safe_open  # noqa: E402
+from .engine.serialize import TensorSpec, deserialize, serialize, serialize_file  # noqa: E402
+from .format.dtypes import DTYPES  # noqa: E402
+from .models.torch_load import LoadModelError, StreamedLoad, load_model  # noqa: E402
+from .models.torch_state import (MaterializeWarning, check_savable, end_ptr, find_shared_tensors,  # noqa: E402
+                                 is_complete, materialize, remove_duplicate_names, shared_aliases, storage_ptr,
+                                 storage_size)
 
 __all__ = ["load_file", "save_file", "load", "save", "load_model", "save_model", "storage_ptr", "storage_size",
            "materialize", "shared_aliases", "LoadModelError", "MaterializeWarning", "StreamedLoad", "safe_open",

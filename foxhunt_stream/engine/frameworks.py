@@ -14,7 +14,7 @@ import numpy as np
 
 from ..cuda.devices import Device, cupy
 from ..format.dtypes import DType, from_numpy, from_torch, host_shape
-from ..errors import DeviceOutOfMemoryError, OptionError
+from ..errors import DeviceError, DeviceOutOfMemoryError, OptionError
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +131,26 @@ class CupyFramework:
         return dt, tuple(arr.shape), Device("cuda", arr.device.id)
 
 
+TORCH_MISSING = ("framework='pt' makes torch tensors and needs torch: pip install torch (on Linux x86_64 a CUDA "
+                 "build; the CPU-only one: pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+
+
+def import_torch():
+    """The torch module, or a ModuleNotFoundError saying how to install it."""
+    try:
+        import torch
+    except ModuleNotFoundError as e:
+        if e.name != "torch":   # torch is there but broken: its own error says more
+            raise
+        raise ModuleNotFoundError(TORCH_MISSING, name="torch") from None
+    return torch
+
+
 class TorchFramework:
     name = "pt"
 
     def _torch(self):
-        import torch
-        return torch
+        return import_torch()
 
     def array_dtype(self, dtype: DType):
         """The torch dtype of ``dtype`` (sub-byte types and types torch lacks: uint8)."""
@@ -189,12 +203,27 @@ _FRAMEWORKS = {"numpy": NumpyFramework, "np": NumpyFramework, "cupy": CupyFramew
 
 
 def get_framework(framework: str | None, device: Device):
+    """The framework that makes a load's arrays on ``device`` (None: numpy on the host, cupy on a
+    GPU), its library imported: a missing one is an error saying how to install it, before any
+    file is opened. For torch this also loads the CUDA runtime torch ships, which a GPU load can
+    then use without cupy (``cuda.runtime``)."""
     if framework is None:
         framework = "numpy" if not device.is_cuda else "cupy"
-    try:
-        return _FRAMEWORKS[framework]()
-    except KeyError:
-        raise OptionError(f"unknown framework {framework!r}; choose numpy, cupy or pt") from None
+    cls = _FRAMEWORKS.get(framework) if isinstance(framework, str) else None
+    if cls is None:
+        raise OptionError(f"unknown framework {framework!r}; choose numpy, cupy or pt")
+    if cls is TorchFramework:
+        import_torch()
+    elif cls is CupyFramework:
+        if not device.is_cuda:
+            raise OptionError(f"framework 'cupy' makes GPU arrays, and device is {device}: pass device='cuda:N', or "
+                             "framework='numpy' for host arrays")
+        try:
+            cupy()
+        except DeviceError as e:
+            raise DeviceError(f"framework 'cupy' (the default on a GPU) makes cupy arrays: {e}. For torch tensors, "
+                              "pass framework='pt': torch's own CUDA runtime is then enough") from None
+    return cls()
 
 
 def framework_of(x):

@@ -101,17 +101,18 @@ class Placement:
         if self.device_map is None:
             return self.device, get_framework(self.framework, self.device)
         devices = resolve_device_map(names, self.device_map)
+        fw = get_framework(self.framework, next((d for d in devices if d.is_cuda), CPU))   # first: torch's runtime
         for d in sorted(set(devices), key=str):
             check_device(d)
-        return devices, get_framework(self.framework, next((d for d in devices if d.is_cuda), CPU))
+        return devices, fw
 
 
 def placement(device: Any = "cpu", framework: str | None = None, device_map: DeviceMap | None = None) -> Placement:
     """Parse and check a load's placement arguments, before any file is opened."""
     if device_map is None:
         dev = parse_device(device)
+        get_framework(framework, dev)   # an unknown or missing framework fails here; torch loads its CUDA runtime
         check_device(dev)
-        get_framework(framework, dev)   # an unknown framework name fails here
         return Placement(dev, None, framework)
     if device is not None and not (isinstance(device, str) and device.strip().lower() == "cpu"):
         raise ValueError(f"load_file: pass either device ({device!r}) or device_map, not both")

@@ -22,6 +22,12 @@ def _output_directory(out_dir: str, source_paths: list[str]) -> bool:
     """Check ``out_dir`` (not the source's, no checkpoint in it) and create it when missing;
     returns whether it was created."""
     real_out = os.path.realpath(out_dir)
+    if any(os.path.realpath(p) == real_out for p in source_paths):
+        raise ValueError(f"{out_dir}: source and destination are the same file; reshard writes a directory of "
+                         "shards: name a new directory")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"{out_dir}: is a file, not a directory; reshard writes a directory of shards: "
+                              "name a new directory")
     if any(os.path.dirname(os.path.realpath(p)) == real_out for p in source_paths):
         raise ValueError(f"{out_dir}: the output directory holds the source checkpoint; choose another one")
     if os.path.isdir(out_dir):

@@ -13,6 +13,7 @@ place, the index last (``sink.commit_all``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -327,13 +328,30 @@ def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | No
             return
         limit = _shard_limit(max_shard_size)
         directory = os.fspath(path)
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"{directory}: with max_shard_size, path must be an existing directory")
+        created = _shard_directory(directory)
         by_name = {src.name: src for src in sources}
-        _write_shards([(src.name, src.nbytes) for src in sources], lambda names: [by_name[n] for n in names],
-                      directory, limit, metadata, s, fsync, spec, bar)
+        try:
+            _write_shards([(src.name, src.nbytes) for src in sources], lambda names: [by_name[n] for n in names],
+                          directory, limit, metadata, s, fsync, spec, bar)
+        except BaseException:
+            if created:   # a failed save leaves no file in it: leave no directory either
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
+            raise
     finally:
         bar.close()
+
+
+def _shard_directory(directory: str) -> bool:
+    """The directory that receives the shards, created with its parents if missing (as
+    ``save_pretrained`` does); returns whether it was created."""
+    if os.path.isdir(directory):
+        return False
+    if os.path.exists(directory):
+        raise FileExistsError(f"{directory}: exists and is not a directory; with max_shard_size, path is the "
+                              "directory that receives the shards")
+    os.makedirs(directory, exist_ok=True)
+    return True
 
 
 def save_sharded(sizes: Sequence[tuple[str, int]], fetch: Callable[[list[str]], Mapping[str, Any]], directory,

@@ -31,6 +31,7 @@ from ..errors import FormatError
 
 N_LEN = 8
 MAX_HEADER_SIZE = 100_000_000
+JSON_START = b"{ \t\r\n"   # what a header may begin with (JSON whitespace, then its object)
 _U64_MAX = 2**64 - 1
 MAX_JSON_DEPTH = 127   # serde_json's recursion limit: the 128th nested '[' or '{' is an error
 _KNOWN_FIELDS = frozenset(("dtype", "shape", "data_offsets"))
@@ -83,10 +84,17 @@ class Header:
 
 
 def read_header_len(prefix: bytes, file_size: int) -> int:
-    """Validate the 8-byte length prefix against the file size; returns n."""
+    """Validate the 8-byte length prefix against the file size; returns n. ``prefix`` may go on
+    into the header: an impossible length followed by anything but the JSON header's start means
+    the file is not safetensors at all (a PNG, random bytes), and is said so."""
     if len(prefix) < N_LEN or file_size < N_LEN:
         raise FormatError("header-too-small", f"file has {file_size} bytes, fewer than the 8-byte length prefix")
     (n,) = struct.unpack("<Q", prefix[:N_LEN])
+    if (n > MAX_HEADER_SIZE or N_LEN + n > file_size) and len(prefix) > N_LEN and prefix[N_LEN] not in JSON_START:
+        raise FormatError("not-safetensors",
+                          f"not a safetensors file: it begins with {bytes(prefix[:N_LEN])!r}, which as a header length "
+                          f"says {n:,} bytes in a file of {file_size:,} (a safetensors file begins with the length of "
+                          "its JSON header, then the header, '{...}')")
     if n > MAX_HEADER_SIZE:
         raise FormatError("header-too-large", f"header length {n} exceeds the limit of {MAX_HEADER_SIZE}")
     if N_LEN + n > file_size:

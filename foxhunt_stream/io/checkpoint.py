@@ -30,11 +30,11 @@ def _read_header(path: str | os.PathLike) -> tuple[Header, tuple]:
     with open(path, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         size = st.st_size
-        prefix = _read_exact(f, 0, min(N_LEN, size))
+        prefix = _read_exact(f, 0, min(N_LEN + 1, size))   # the length, and the header's first byte
         try:
             n = read_header_len(prefix, size)
             body = _read_exact(f, N_LEN, min(n, MAX_HEADER_SIZE))
-            return parse_header(prefix + body, size), file_identity(st)
+            return parse_header(prefix[:N_LEN] + body, size), file_identity(st)
         except FormatError as e:
             raise e.with_path(path) from None
 
@@ -224,17 +224,39 @@ Names = None | str | Iterable[str] | Callable[[str], bool]
 
 def select(ck: Checkpoint, names: Names) -> list[str]:
     """Resolve a ``names`` argument to tensor names: None = all in file order, a glob string,
-    a predicate (both in file order), or a list of exact names (in the caller's order)."""
+    a predicate (both in file order), or a list of exact names (in the caller's order).
+
+    A glob or a predicate that selects no tensor is a KeyError naming it (a typo must not load
+    nothing, silently); so is a listed name the checkpoint lacks. An empty list selects nothing."""
     if names is None:
         return ck.file_order()
     if isinstance(names, str):
-        return [n for n in ck.file_order() if fnmatch.fnmatchcase(n, names)]
+        out = [n for n in ck.file_order() if fnmatch.fnmatchcase(n, names)]
+        if not out:
+            raise KeyError(f"names={names!r} matches no tensor of {_where(ck)}{_examples(ck)}")
+        return out
     if callable(names):
-        return [n for n in ck.file_order() if names(n)]
+        out = [n for n in ck.file_order() if names(n)]
+        if not out and ck.names:
+            raise KeyError(f"names={names!r} selects no tensor of {_where(ck)}{_examples(ck)}")
+        return out
     out = list(names)
     missing = [n for n in out if n not in ck.names]
     if missing:
-        raise KeyError(f"no tensor(s) named {missing[:10]} in {ck.paths[0] if len(ck.paths) == 1 else 'the checkpoint'}")
+        hint = ("; names lists exact names: for a pattern pass one string, such as 'model.layers.*'"
+                if any(any(c in n for c in "*?[") for n in missing if isinstance(n, str)) else "")
+        raise KeyError(f"no tensor(s) named {missing[:10]} in {_where(ck)}{hint}")
     if len(set(out)) != len(out):
         raise ValueError("names lists a tensor more than once")
     return out
+
+
+def _where(ck: Checkpoint) -> str:
+    return ck.paths[0] if len(ck.paths) == 1 else f"the checkpoint ({len(ck.paths)} files)"
+
+
+def _examples(ck: Checkpoint) -> str:
+    order = ck.file_order()
+    if not order:
+        return " (it holds no tensor)"
+    return f" (its {len(order)} tensor(s) are named like {order[:3]})"

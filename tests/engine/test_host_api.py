@@ -192,7 +192,7 @@ def test_closed_handle_errors_and_arrays_outlive_it(ckpt):
     (["d.table", "a.bias"], ["a.bias", "d.table"]),
     ("[ab].*", ["a.bias", "b.weight"]),
     (lambda n: n.startswith(("c.", "h.")), ["c.cube", "h.ids"]),
-    ("zzz*", []),
+    ([], []),   # an empty list asks for nothing (a glob matching nothing is a KeyError: test_user_errors)
 ])
 def test_load_file_selection_reads_only_selected_bytes(ckpt, names, want):
     path, t = ckpt

@@ -6,11 +6,12 @@ machine without it.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
 from ..errors import DeviceError
-from . import runtime as cudart
+from . import diagnose, runtime as cudart
 from .runtime import cupy  # noqa: F401  (the cupy module, or a DeviceError with the install hint)
 
 
@@ -57,16 +58,29 @@ def parse_device(device) -> Device:
 
 
 def check_device(device: Device) -> None:
-    """Raise DeviceError unless ``device`` is a CUDA device that exists."""
+    """Raise DeviceError unless ``device`` is a CUDA device that exists; the error says why the
+    GPU cannot be used and what fixes it."""
     if not device.is_cuda:
         return
-    rt = cudart.runtime()
+    try:
+        rt = cudart.runtime()
+    except DeviceError as e:
+        raise DeviceError(f"{device} cannot be used: {e}") from None
     try:
         n = rt.getDeviceCount()
-    except Exception as e:  # cudaErrorNoDevice, driver missing...
-        raise DeviceError(f"{device}: no usable CUDA GPU ({e})") from None
+    except Exception as e:  # cudaErrorNoDevice, no driver or one too old...
+        raise DeviceError(f"{device} cannot be used: " + diagnose.runtime_failure(
+            str(e), cudart.describe(), _version(rt.runtimeGetVersion), _version(rt.driverGetVersion),
+            os.environ.get("CUDA_VISIBLE_DEVICES"))) from None
     if device.index >= n:
         raise DeviceError(f"{device}: no such GPU; this machine has {n} CUDA device(s)")
+
+
+def _version(call) -> int:
+    try:
+        return int(call())
+    except Exception:
+        return 0
 
 
 _current = threading.local()

@@ -1,13 +1,18 @@
 """The CUDA runtime calls the pipeline makes: pinned host memory, non-blocking streams, events.
 
-They come from cupy's own thin wrapper of the runtime API, ``cupy_backends.cuda.api.runtime``
-(what ``cupy.cuda.runtime`` re-exports), imported alone: a load onto a torch tensor needs no cupy
-array, kernel or memory pool, and ``import cupy`` as a whole took 0.11-0.22 s on the H200
-machine (``fs.warmup``'s former ``import_cupy`` step), on the critical path of a streamed
-startup and holding the GIL the whole time. Where that module cannot be imported by itself
-(another cupy layout), cupy is imported and its ``cuda.runtime`` used: the same functions.
-``FOXHUNT_CUDART=cupy`` in the environment takes that way from the start (to compare, or should
-the lone import misbehave).
+``runtime()`` hands out one module-like object with the names of cupy's own thin wrapper of the
+runtime API (``hostAlloc``, ``memcpyAsync``, ``eventRecord``...), chosen once per process:
+
+- ``cupy_backends.cuda.api.runtime``, where cupy is installed, imported alone. A load onto torch
+  tensors needs no cupy array, kernel or memory pool, and ``import cupy`` as a whole took
+  0.11-0.22 s on an H200 machine, on the critical path of a streamed startup, holding the GIL.
+- Else the CUDA runtime library torch has loaded (``libcudart.LibCudart``), so a torch user
+  needs no cupy at all.
+- Else ``cupy.cuda.runtime`` (another cupy layout).
+- Else a DeviceError that says why and what fixes it (``diagnose``).
+
+``FOXHUNT_CUDART=cupy`` takes cupy's from the start (to compare, or should the lone import
+misbehave), ``FOXHUNT_CUDART=torch`` the one torch loaded even where cupy is installed.
 
 Every object here is a raw handle (``ptr``) with the few methods the pipeline calls; the
 runtime functions that wait (``streamSynchronize``, ``eventSynchronize``, ``hostAlloc``, the
@@ -19,12 +24,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import importlib.util
 import os
+import sys
 from typing import Any, Iterator
 
 import numpy as np
 
 from ..errors import DeviceError
+from . import diagnose, libcudart
 
 STREAM_NON_BLOCKING = 0x01     # cudaStreamNonBlocking: no implicit sync with the legacy default stream
 EVENT_DISABLE_TIMING = 0x02    # cudaEventDisableTiming: the cheapest event to record and wait for
@@ -32,6 +40,7 @@ HOST_ALLOC_PORTABLE = 0x01     # cudaHostAllocPortable: pinned for every context
 H2D, D2H = 1, 2                # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 
 _rt: Any = None
+CUDART_CHOICES = ("auto", "cupy", "torch")   # FOXHUNT_CUDART
 
 
 def cupy():
@@ -39,23 +48,74 @@ def cupy():
     try:
         import cupy as cp
     except ImportError as e:
-        raise DeviceError("GPU loading needs cupy: pip install 'foxhunt-stream[cuda12]' or "
-                          f"'foxhunt-stream[cuda13]' ({e})") from None
+        raise DeviceError(f"this needs cupy: {diagnose.CUPY_INSTALL} ({e})") from None
     return cp
 
 
+def has_cupy() -> bool:
+    """Whether cupy is installed (not imported: that costs 0.1-0.2 s)."""
+    return _installed("cupy")
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def torch_facts() -> diagnose.TorchFacts:
+    """What this process knows of torch, without importing it."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return diagnose.TorchFacts(installed=_installed("torch"))
+    version = getattr(torch, "version", None)
+    return diagnose.TorchFacts(True, True, str(getattr(torch, "__version__", "")), getattr(version, "cuda", None),
+                               getattr(version, "hip", None))
+
+
 def runtime():
-    """The runtime module (``memcpyAsync``, ``eventRecord``... as in ``cupy.cuda.runtime``)."""
+    """The runtime (``memcpyAsync``, ``eventRecord``... as in ``cupy.cuda.runtime``), chosen on
+    first use; a DeviceError saying why and what fixes it where there is none."""
     global _rt
     if _rt is None:
-        try:
-            if os.environ.get("FOXHUNT_CUDART", "").strip().lower() == "cupy":
-                raise ImportError("FOXHUNT_CUDART=cupy")
-            from cupy_backends.cuda.api import runtime as rt
-        except Exception:   # absent, or a layout whose runtime needs cupy's own start-up first
-            rt = cupy().cuda.runtime   # DeviceError with the install hint if cupy is absent
-        _rt = rt
+        _rt = _choose(os.environ.get("FOXHUNT_CUDART", "").strip().lower() or "auto")
     return _rt
+
+
+def _choose(choice: str):
+    if choice not in CUDART_CHOICES:
+        raise DeviceError(f"FOXHUNT_CUDART must be one of {', '.join(CUDART_CHOICES)} (or unset), got {choice!r}")
+    if choice == "auto":
+        try:
+            from cupy_backends.cuda.api import runtime as rt
+            return rt
+        except Exception:   # absent, or a layout whose runtime needs cupy's own start-up first
+            pass
+    if choice in ("auto", "torch"):
+        try:
+            lib = libcudart.open_loaded()
+        except (OSError, AttributeError):   # not a usable runtime library after all
+            lib = None
+        if lib is not None:
+            return lib
+        if choice == "torch":
+            raise DeviceError(f"FOXHUNT_CUDART=torch, but no CUDA runtime library is loaded in this process: "
+                              f"{diagnose.no_runtime(torch_facts(), has_cupy())}")
+    try:
+        return cupy().cuda.runtime
+    except DeviceError:
+        if choice == "cupy":
+            raise
+        raise DeviceError(diagnose.no_runtime(torch_facts(), has_cupy())) from None
+
+
+def describe() -> str:
+    """Which CUDA runtime the pipeline calls, in words (for errors, logs and the bench header)."""
+    rt = runtime()
+    if isinstance(rt, libcudart.LibCudart):
+        return f"torch's CUDA runtime ({rt.path})"
+    return "cupy's CUDA runtime"
 
 
 @contextlib.contextmanager

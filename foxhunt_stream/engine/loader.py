@@ -14,6 +14,7 @@ import warnings
 from typing import Any, Mapping, MutableMapping, Sequence
 
 from .. import settings as _settings
+from ..cuda import runtime as cudart
 from ..cuda.devices import CPU, Device, check_device
 from ..errors import FormatError, StoreMismatchError
 from ..format.dtypes import host_shape
@@ -142,7 +143,8 @@ def plan_selections(ck: Checkpoint, sels: list[Selection], s: _settings.Settings
     on: str | list[str] = s.verify_on
     if on == "auto":   # a GPU has memory bandwidth to spare; the host's goes to the reads
         per = [devices] * len(sels) if isinstance(devices, Device) else list(devices)
-        on = ["landed" if dev.is_cuda else "read" for dev in per]
+        gpu = cudart.has_cupy()   # the GPU's hashing kernel is cupy's: without it, hash as chunks are read
+        on = ["landed" if dev.is_cuda and gpu else "read" for dev in per]
     from ..integrity.verifier import Verifier   # imported only by loads that verify
     verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels], on=on)
     s = verifier.settings(s)

@@ -1,6 +1,6 @@
 """foxhunt_stream.cuda.runtime takes the CUDA runtime from cupy_backends alone, without importing cupy
 (whose import sat on the critical path of a GPU load), falls back to cupy's when that is not
-importable, and says how to install cupy when neither is. Subprocesses with stand-in packages:
+importable, and says why and what to install when there is no runtime at all. Subprocesses with stand-in packages:
 no GPU needed, and no real cupy is shadowed in this process."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_foxhunt_cudart_cupy_takes_cupys_runtime_even_with_cupy_backends(tmp_pat
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
-def test_without_either_a_gpu_load_says_how_to_install_cupy():
+def test_without_any_runtime_a_gpu_load_says_why_and_how_to_install_one():
     r = _run("import sys; sys.modules['cupy_backends'] = None; sys.modules['cupy'] = None\n"
              "import foxhunt_stream as fs\n"
              "try:\n"
@@ -104,4 +104,6 @@ def test_without_either_a_gpu_load_says_how_to_install_cupy():
              "    devices.check_device(devices.Device('cuda', 0))\n"
              "except fs.DeviceError as e:\n"
              "    print('DeviceError:', e)\n", [])
-    assert r.returncode == 0 and "needs cupy" in r.stdout and "pip install" in r.stdout, r.stderr[-3000:] + r.stdout
+    out = r.stdout
+    assert r.returncode == 0 and "cuda:0 cannot be used: no CUDA runtime: cupy is not installed" in out, r.stderr[-3000:]
+    assert "pip install 'foxhunt-stream[cuda13]'" in out and "framework='pt'" in out

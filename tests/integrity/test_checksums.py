@@ -494,11 +494,14 @@ def test_landed_verification_in_the_background(saved):
         fs.load_file(saved, verify=True, background=True, **LANDED).result()
 
 
-def test_verify_on_auto_hashes_on_the_gpu_only_what_lands_there(saved):
+def test_verify_on_auto_hashes_on_the_gpu_only_what_lands_there(saved, monkeypatch):
     """The default, verify_on="auto": xxh3-64 tensors bound for a GPU are hashed there once they
-    have landed; host destinations (and crc32c files) are hashed as their chunks are read."""
+    have landed (by cupy's kernel: without cupy, as their chunks are read); host destinations
+    (and crc32c files) are hashed as their chunks are read."""
     from foxhunt_stream.engine import loader
+    from foxhunt_stream.cuda import runtime
     from foxhunt_stream.cuda.devices import CPU, Device
+    monkeypatch.setattr(runtime, "has_cupy", lambda: True)
     ck = open_checkpoint(saved)
     names = ck.file_order()
     sels = loader.selections(ck, names)
@@ -511,6 +514,9 @@ def test_verify_on_auto_hashes_on_the_gpu_only_what_lands_there(saved):
         _, _, verifier = loader.plan_selections(ck, sels, s, True, devices)
         assert [verifier.hashes_landed(d) for d in range(len(names))] == want, devices
     _, _, verifier = loader.plan_selections(ck, sels, fs.settings.merge(verify_on="read", **SMALL), True, gpu)
+    assert not any(verifier.hashes_landed(d) for d in range(len(names)))
+    monkeypatch.setattr(runtime, "has_cupy", lambda: False)   # torch's CUDA runtime alone: no GPU kernel
+    _, _, verifier = loader.plan_selections(ck, sels, s, True, gpu)
     assert not any(verifier.hashes_landed(d) for d in range(len(names)))
 
 

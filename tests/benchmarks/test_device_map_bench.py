@@ -12,7 +12,7 @@ from gpu_util import write_random_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def test_benchmark_smoke_run_on_cpu(tmp_path, capsys):
+def test_benchmark_smoke_run_on_cpu(tmp_path, capsys, torch):   # the benchmark loads torch tensors
     path = os.path.join(REPO, "benchmarks",
                         "device_map_bench.py")
     spec = importlib.util.spec_from_file_location("device_map_bench", path)

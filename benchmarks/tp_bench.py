@@ -14,13 +14,13 @@ plans:
 
 The full load and the three plans take turns in ``--rounds`` interleaved rounds (the order
 rotated each round) after one untimed run each; medians. The Llama and columns plans also run
-with ``backend="pread"``: their column slices read as whole row spans, the way a file that is
-not in the page cache is read, against the default's gather of just the slice out of a mapping
-of the cached file. Reported per plan: the bytes landed and the bytes read (a gather counts the
-pages its rows touch), GB/s landed, the median time over the full load's (the fraction a rank
-pays; ideal 1/tp), and, untimed, the wait for the load's mappings to be unmapped (on a
-background thread after the load). With ``--cold`` (root): the Llama plan after drop_caches,
-default against ``backend="pread"``, 3 rounds: a cold file keeps positional reads.
+with ``backend="auto"``, which gathers their column slices out of a mapping of each cached file
+instead of reading whole row spans (the default, ``pread``). Reported per plan: the bytes landed
+and the bytes read (a gather counts the pages its rows touch), GB/s landed, the median time over
+the full load's (the fraction a rank pays; ideal 1/tp), and, untimed, the wait for the load's
+mappings to be unmapped (on a background thread after the load). With ``--cold`` (root): the
+Llama plan after drop_caches, the default against ``backend="auto"``, 3 rounds: a cold file keeps
+positional reads either way.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     cases.update({name: load(dim) for name, dim in plans(shapes).items()})
     for name, dim in plans(shapes).items():
         if not name.startswith("rows"):
-            cases[name.split(" (")[0] + ', backend="pread"'] = load(dim, backend="pread")
+            cases[name.split(" (")[0] + ', backend="auto"'] = load(dim, backend="auto")
     common.ce.warm(files)
     landed, read = {}, {}
     for name, fn in cases.items():   # the untimed run: bytes landed and read, pools and caches filled
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     fraction={k: median(v) / full for k, v in times.items()})
     if args.cold and args.device.startswith("cuda"):   # drop_caches: not on a CPU smoke run
         llama = next(dim for name, dim in plans(shapes).items() if name.startswith("Llama"))
-        cold = {"Llama, cold": load(llama), 'Llama, cold, backend="pread"': load(llama, backend="pread")}
+        cold = {"Llama, cold": load(llama), 'Llama, cold, backend="auto"': load(llama, backend="auto")}
         cold_times = {k: [] for k in cold}
         for _ in range(3):
             for name, fn in cold.items():

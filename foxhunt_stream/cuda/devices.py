@@ -118,6 +118,11 @@ class CudaContext:
                     self._streams.append(cudart.Stream())
             return self._streams[worker]
 
+    @property
+    def streams_made(self) -> int:
+        """How many worker streams exist so far (``warmup`` makes one per worker up front)."""
+        return len(self._streams)
+
     def synchronize(self) -> None:
         for s in list(self._streams):
             s.synchronize()

@@ -66,6 +66,9 @@ def file_bytes(plan: LoadPlan, n_files: int) -> list[int]:
 
 # a file at least this much in the page cache (sampled) gathers its strided runs out of a mapping
 GATHER_RESIDENT = 0.9
+# a file read through the cache while less than this much of it is there comes from the disk
+# now: its source promotes the pages it reads (``FileSource.promote``), for the next start
+COLD_RESIDENT = 0.5
 
 
 def gathering_files(ck: Checkpoint, s: _settings.Settings) -> frozenset[int]:
@@ -99,6 +102,8 @@ def open_sources(ck: Checkpoint, s: _settings.Settings, gathered: frozenset[int]
             if i not in gathered and backend in ("auto", "mmap"):
                 backend = "pread"
             out.append(open_source(p, backend, h.file_size))
+            if out[-1].backend == "pread" and pagecache.resident_fraction(p) < COLD_RESIDENT:
+                out[-1].promote = True
             if ck.identities:   # the file opened must be the one whose header we hold
                 out[-1].identity = ck.identities[i]
                 out[-1].check_unchanged("file-replaced")

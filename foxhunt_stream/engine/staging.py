@@ -143,6 +143,12 @@ def pool_cache() -> dict:
 _pinned_pools: dict[int, StagingPool] = {}
 
 
+def current_pinned_pool(device_index: int) -> StagingPool | None:
+    """The pinned pool GPU ``device_index`` has now (None before its first load, save or warmup)."""
+    with _lock:
+        return _pinned_pools.get(device_index)
+
+
 def pinned_pool(device_index: int, slot_bytes: int, n_slots: int) -> StagingPool:
     """The process-wide pool of pinned slots of one GPU, shared by its loads and saves; a new size
     (a settings change) replaces it (slots of the old pool go back to it and are freed with it)."""

@@ -67,6 +67,13 @@ class FileSource:
     backend = "pread"
     direct_reads = True   # can read straight into any host buffer (no alignment constraints)
     identity: tuple | None = None   # file_identity when its header was read (set by the loader)
+    # The file is being read from the disk into the page cache: after each read, pass the range
+    # through the cache once more (sendfile to /dev/null: no copy), so the kernel counts its pages
+    # in use twice and moves them to its active list now, while the reads wait on the disk. A
+    # restart then reads them at the hot rate: on an H200 machine (Linux 6.18), the second load
+    # after a cold one ran at 0.68x a later one; the first access of a cached page only marks it,
+    # the second moves it between the kernel's lists, under a lock all the readers share.
+    promote: bool = False
 
     def __init__(self, path: str | os.PathLike, expected_size: int | None = None, gather: bool = False) -> None:
         self.path = os.fspath(path)
@@ -147,6 +154,15 @@ class FileSource:
                 raise self._short(offset, got, want)
             got += n
         self._count(want)
+        if self.promote:
+            self._touch_again(offset, want)
+
+    def _touch_again(self, offset: int, length: int) -> None:
+        """The second use of freshly cached pages (see ``promote``); best effort."""
+        try:
+            sendfile_to_null(self.fd, offset, length)
+        except OSError:
+            pass
 
     def fill_cache(self, offset: int, length: int, scratch: np.ndarray | memoryview, copy: bool = False, *,
                    count: bool = True) -> None:
@@ -175,6 +191,8 @@ class FileSource:
                                    f"{e.strerror}") from e
         if got < length:
             raise self._short(offset, got, length)
+        if not copy:   # the load that follows reads them at the hot rate (``promote``)
+            self._touch_again(offset, length)
         if count:
             self._count(length)
 

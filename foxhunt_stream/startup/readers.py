@@ -121,7 +121,8 @@ def read_range(src: FileSource, offset: int, length: int, scratch: memoryview, *
     ``src.fill_cache`` call per ``step()`` bytes (asked again before each step: it grows once a
     load begins; None: the whole range at once), each step first cleared by ``pacer``.
 
-    ``cancelled()`` is asked before the hint and before every step: True stops the range and
+    ``cancelled()`` is asked before the hint, before every step and after the pacer lets it
+    through: True stops the range and
     the call returns False (a reader finishes at most the step it is in). ``copy()``: this step
     through ``scratch`` instead of ``sendfile``. ``hint``: ``posix_fadvise(WILLNEED)`` for the
     whole range first (the kernel queues all of it at once); ``hint_only``: that and nothing
@@ -143,6 +144,8 @@ def read_range(src: FileSource, offset: int, length: int, scratch: memoryview, *
             n = end - offset if step is None else min(step(), end - offset)
             if pacer is not None:
                 pacer.take(n)
+                if cancelled():   # a cancel releases the pacer: the waiting readers stop, not read on
+                    return False
             src.fill_cache(offset, n, scratch, copy=copy(), count=count)
             offset += n
     except (OSError, FormatError):

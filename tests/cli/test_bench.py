@@ -22,16 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU_FIX = "pip install 'foxhunt-stream[cuda12]' or 'foxhunt-stream[cuda13]'"
 
 
-def run(*args: str, missing: tuple[str, ...] = (), gpu_shown: bool = False) -> subprocess.CompletedProcess:
+def run(*args: str, missing: tuple[str, ...] = (), gpu_shown: bool | None = None) -> subprocess.CompletedProcess:
     """``python -m foxhunt_stream ARGS`` with the ``missing`` modules made unimportable and, with
-    ``gpu_shown``, a machine that shows an NVIDIA GPU."""
+    ``gpu_shown`` True or False, a machine that shows an NVIDIA GPU or none (None: as it is)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("FOXHUNT_THREADS", None)
     code = ("import sys\n"
             f"for name in {missing!r}:\n"
             "    sys.modules[name] = None\n"
             "from foxhunt_stream.cli import bench, main\n"
-            + ("bench.gpu_present = lambda: True\n" if gpu_shown else "")
+            + ("" if gpu_shown is None else f"bench.gpu_present = lambda: {gpu_shown}\n")
             + "sys.exit(main.main(sys.argv[1:]))\n")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
                           timeout=300)
@@ -102,7 +102,8 @@ def test_bench_says_why_the_gpu_it_sees_is_not_used(tmp_path):
 
 
 def test_bench_on_a_machine_without_a_gpu_says_so_quietly():
-    r = run("bench", "--size", "2MiB", "--reps", "1", "--no-save", "-q", missing=("cupy", "cupy_backends"))
+    r = run("bench", "--size", "2MiB", "--reps", "1", "--no-save", "-q", missing=("cupy", "cupy_backends"),
+            gpu_shown=False)
     assert r.returncode == 0, r.stderr
     assert " bench: cpu (no GPU found), " in r.stdout.splitlines()[0]
     assert r.stderr == ""

@@ -8,6 +8,7 @@ import pytest
 import safetensors.numpy as stn
 
 import foxhunt_stream as fs
+from foxhunt_stream.engine.staging import current_pinned_pool  # noqa: E402
 from foxhunt_stream.cuda import devices as fdev
 from gpu_util import ALL_DTYPE_SPECS, require_gpu, write_random_file
 
@@ -179,12 +180,12 @@ def test_no_memory_growth_over_repeated_loads(tmp_path, cp):
     out = fs.load_file(tmp_path / "m.safetensors", device="cuda:0", chunk_bytes=64 << 10, staging_bytes=1 << 20)
     del out
     base = pool.used_bytes()
-    staging = fdev.context(0)._pool
+    staging = current_pinned_pool(0)
     for _ in range(5):
         out = fs.load_file(tmp_path / "m.safetensors", device="cuda:0", chunk_bytes=64 << 10, staging_bytes=1 << 20)
         del out
     assert pool.used_bytes() == base
-    assert fdev.context(0)._pool is staging          # pinned staging reused, not reallocated
+    assert current_pinned_pool(0) is staging          # pinned staging reused, not reallocated
     assert staging.free_count() == staging.n_slots    # every slot returned
 
 
@@ -208,7 +209,7 @@ def test_read_error_releases_everything(tmp_path, cp):
     finally:
         source.fault_hook = None
     assert pool.used_bytes() == base
-    staging = fdev.context(0)._pool
+    staging = current_pinned_pool(0)
     assert staging.free_count() == staging.n_slots
 
 
@@ -296,7 +297,7 @@ def test_gpu_save_failure_leaves_old_file(tmp_path, cp):
         sink.fault_hook = None
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors", "src.safetensors"]
-    staging = fdev.context(0)._pool
+    staging = current_pinned_pool(0)
     assert staging.free_count() == staging.n_slots
 
 

@@ -135,3 +135,39 @@ def test_available_memory_is_memavailable_here_at_most():
     with open("/proc/meminfo") as f:
         meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
     assert avail is not None and 0 < avail <= meminfo["MemAvailable"] * 1.05
+
+
+def _sendfile_spy(monkeypatch) -> list[tuple[int, int, int]]:
+    """Every (fd, offset, length) that a source passes through the cache again (``FileSource.promote``)."""
+    from foxhunt_stream.io import source
+    seen: list[tuple[int, int, int]] = []
+    real = source.sendfile_to_null
+
+    def spy(fd, offset, length, *args, **kwargs):
+        seen.append((fd, offset, length))
+        return real(fd, offset, length, *args, **kwargs)
+    monkeypatch.setattr(source, "sendfile_to_null", spy)
+    return seen
+
+
+def _covered(ranges: list[tuple[int, int, int]]) -> int:
+    return sum(n for _, _, n in set(ranges))
+
+
+def test_a_cold_load_uses_each_page_twice_so_the_restart_reads_hot(evicted, monkeypatch):
+    """The pages a cold load brings in are passed through the cache once more right after each
+    read (no copy), so the kernel counts them in use twice now, not at the next start's load."""
+    src, paths, tensors = evicted
+    seen = _sendfile_spy(monkeypatch)
+    out = fs.load_file(src, chunk_bytes=1 << 20)
+    assert all(np.array_equal(out[k], v) for k, v in tensors.items())
+    assert _covered(seen) >= sum(v.nbytes for v in tensors.values())   # every tensor byte, once more
+
+
+def test_a_hot_load_does_not_touch_its_pages_again(evicted, monkeypatch):
+    src, paths, tensors = evicted
+    fs.load_file(src)                     # now resident
+    seen = _sendfile_spy(monkeypatch)
+    out = fs.load_file(src, chunk_bytes=1 << 20)
+    assert all(np.array_equal(out[k], v) for k, v in tensors.items())
+    assert seen == []

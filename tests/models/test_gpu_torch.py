@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 cp = pytest.importorskip("cupy")
 
 import foxhunt_stream as fs  # noqa: E402
+from foxhunt_stream.engine.staging import current_pinned_pool  # noqa: E402
 from foxhunt_stream.cuda import devices as fs_device
 from foxhunt_stream.io import source  # noqa: E402
 from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
@@ -246,16 +247,16 @@ def test_background_warmup_then_load_shares_the_pool(tmp_path):
     h = fs.warmup(DEV, background=True, threads=3)
     times = h.result(timeout=120)
     assert set(times) == {"import_runtime", "context", "pinned_pool", "streams"}
-    pool = fs_device.context(0)._pool
+    pool = current_pinned_pool(0)
     x = np.arange(100_000, dtype=np.float32)
     fs.save_file({"x": x}, tmp_path / "w.safetensors")
     out = fs.load_file(tmp_path / "w.safetensors", device=DEV, framework="pt", threads=3)
     assert np.array_equal(out["x"].cpu().numpy(), x)
-    assert fs_device.context(0)._pool is pool   # the warmed pool was used, not a second one
+    assert current_pinned_pool(0) is pool   # the warmed pool was used, not a second one
 
 
 def test_warmup_creates_pool_and_streams():
     times = fs.warmup(DEV, threads=3)
     assert set(times) == {"import_runtime", "context", "pinned_pool", "streams"}
     ctx = fs_device.context(0)
-    assert ctx._pool is not None and len(ctx._streams) >= 3
+    assert current_pinned_pool(0) is not None and ctx.streams_made >= 3

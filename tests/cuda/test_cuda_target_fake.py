@@ -138,7 +138,7 @@ SCRIPT = textwrap.dedent("""
     col_path = path + ".col.safetensors"
     fs.save_file({"x": x}, col_path)
     ck = open_checkpoint(col_path)
-    s = settings.merge(chunk_bytes=4096, staging_bytes=4 * 4096, threads=2)
+    s = settings.merge(chunk_bytes=4096, staging_bytes=4 * 4096, threads=2, backend="auto")   # the gathering backend
     from foxhunt_stream.io import pagecache
     pagecache.resident_fraction = lambda p, samples=64: 1.0   # even if the caches were dropped meanwhile
     gathered = loader.gathering_files(ck, s)

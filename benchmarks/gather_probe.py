@@ -10,7 +10,7 @@ interleaved rounds, medians:
   gather fresh    one mapping per file opened for the round, chunks of <= 8 MiB of slice, unmapped
                   after the timed part (the unmap is timed apart: the library does it off the load)
   gather by span  the same, but chunks cut by 8 MiB of span (what backend="mmap" did)
-  gather warm     a mapping kept from an earlier round: no page faults (the issue's 35 GB/s figure)
+  gather warm     a mapping kept from an earlier round: no page faults
   per-chunk map   mmap + gather + munmap per chunk
 
 CPU ms: user + system time of the process during the timed part (all threads). minflt: minor page

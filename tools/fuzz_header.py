@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Long-running fuzz driver for the safetensors header parser (issue "Reliability").
+"""Long-running fuzz driver for the safetensors header parser.
 
 Every input is a whole file's bytes, given to ``foxhunt_stream.format.header.parse_header`` and checked:
 

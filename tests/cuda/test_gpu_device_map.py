@@ -2,7 +2,7 @@
 and a mixed cpu + cuda:0 map. Every tensor must sit on its mapped device and hold the file's
 bytes, as written by the test (not read back through the library).
 
-    python -m pytest -q tests/test_gpu_device_map.py
+    python -m pytest -q tests/cuda/test_gpu_device_map.py
 """
 
 from __future__ import annotations

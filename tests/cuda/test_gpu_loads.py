@@ -1,5 +1,5 @@
-"""GPU loader and saver (issues 3 and 4). Skip cleanly without cupy or a CUDA device;
-run on the GPU machine with `python -m pytest -q tests/test_gpu.py`."""
+"""GPU loader and saver. Skip cleanly without cupy or a CUDA device;
+run on a GPU machine with `python -m pytest -q tests/cuda/test_gpu_loads.py`."""
 
 import threading
 
@@ -213,7 +213,7 @@ def test_read_error_releases_everything(tmp_path, cp):
     assert staging.free_count() == staging.n_slots
 
 
-# ------------------------------------------------------------------ saver (issue 4)
+# ------------------------------------------------------------------ saver
 
 @pytest.mark.parametrize("framework", ["cupy", "pt"])
 def test_gpu_save_every_dtype_byte_identical(tmp_path, cp, framework):

@@ -57,7 +57,7 @@ def save_tiny(directory: str, name: str) -> str:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """name -> directory of that tiny checkpoint, made once per session on first use."""
+    """name -> directory of that tiny checkpoint, made once per test run, on first use."""
     root = str(tmp_path_factory.mktemp("hf_tiny"))
     made: dict[str, str] = {}
 

@@ -1,6 +1,6 @@
 """A stand-in for cupy that runs on the host: "device" memory is host memory and the runtime's
 copies are memmoves, so the GPU target's bookkeeping (pinned rings, events, 2-D copies) can be
-tested on a machine without a GPU. Imported only by subprocesses of tests/test_cuda_target_fake.py."""
+tested on a machine without a GPU. Imported only by subprocesses of the stand-in tests (tests/cuda/test_cuda_target_fake.py, tests/integrity/test_landed_batch_fake.py)."""
 
 import ctypes
 

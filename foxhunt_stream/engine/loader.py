@@ -75,7 +75,7 @@ def gathering_files(ck: Checkpoint, s: _settings.Settings) -> frozenset[int]:
     """The files whose strided runs (column slices) a load gathers row by row out of a mapping
     instead of reading their whole row spans; the plan cuts those runs by the bytes they land.
 
-    With backend "auto" (the default) these are the files in the page cache. A cold file, or one
+    With backend "auto" (opt-in; the default is "pread") these are the files in the page cache. A cold file, or one
     a prefetch is still filling, keeps positional reads of whole spans: through a mapping its
     missing pages would come in one fault, one small read, at a time. With "mmap": every file
     that is not read with O_DIRECT."""

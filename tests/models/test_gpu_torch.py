@@ -20,7 +20,7 @@ import foxhunt_stream as fs  # noqa: E402
 from foxhunt_stream.engine.staging import current_pinned_pool  # noqa: E402
 from foxhunt_stream.cuda import devices as fs_device
 from foxhunt_stream.io import source  # noqa: E402
-from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
+from read_gates import range_of  # noqa: E402
 
 if not (torch.cuda.is_available() and fs_device.cuda_available()):
     pytest.skip("needs a CUDA GPU visible to both torch and cupy", allow_module_level=True)
@@ -191,16 +191,9 @@ def _checkpoint(tmp_path, n=6, numel=1 << 16):
     return path, t
 
 
-def _range_of(path, name):
-    ck = open_checkpoint(path)
-    f, info = ck.names[name]
-    base = ck.headers[f].data_start
-    return base + info.start, base + info.end
-
-
 def test_streaming_to_the_gpu_in_order_and_ready(tmp_path):
     path, t = _checkpoint(tmp_path)
-    lo, hi = _range_of(path, "t5")
+    lo, hi = range_of(path, "t5")
     gate, log = threading.Event(), []
 
     def hook(src, off, n):
@@ -223,7 +216,7 @@ def test_streaming_to_the_gpu_in_order_and_ready(tmp_path):
 
 def test_background_on_the_gpu_error_and_wait(tmp_path):
     path, t = _checkpoint(tmp_path)
-    lo, hi = _range_of(path, "t4")
+    lo, hi = range_of(path, "t4")
 
     def hook(src, off, n):
         if lo <= off < hi:

@@ -23,7 +23,7 @@ import safetensors.torch as sttorch  # noqa: E402
 import foxhunt_stream as fs  # noqa: E402
 from foxhunt_stream.engine import pipeline
 from foxhunt_stream.io import source  # noqa: E402
-from foxhunt_stream.io.checkpoint import open_checkpoint  # noqa: E402
+from read_gates import range_of, gate_hook  # noqa: E402
 
 fst = fs.torch
 
@@ -275,7 +275,7 @@ def test_load_model_from_a_failed_background_load_raises_its_error(tmp_path):
     src = _filled(34)
     path = tmp_path / "m.safetensors"
     fst.save_model(src, path)
-    lo, hi = _range_of(str(path), "lin.weight")
+    lo, hi = range_of(str(path), "lin.weight")
 
     def hook(s, offset, length):
         if lo <= offset < hi:
@@ -322,7 +322,7 @@ def test_streamed_load_runs_the_first_modules_before_the_last_tensor_lands(tmp_p
     src, path = _stack_file(tmp_path, 40)
     ids = torch.tensor([[1, 5, 9]])
     gate, log = threading.Event(), []
-    source.fault_hook = _gate_hook(path, "layers.2.weight", gate, log)
+    source.fault_hook = gate_hook(path, "layers.2.weight", gate, log)
     with torch.device("meta"):
         m = Stack()
     sl = fst.load_model(m, fst.load_file(path, background=True, threads=2, chunk_bytes=4096), wait=False)
@@ -366,7 +366,7 @@ def test_streamed_load_wait_fills_what_no_forward_asked_for(tmp_path):
 
 def test_streamed_load_error_surfaces_in_the_forward_and_at_wait(tmp_path):
     _, path = _stack_file(tmp_path, 42)
-    lo, hi = _range_of(path, "layers.1.weight")
+    lo, hi = range_of(path, "layers.1.weight")
 
     def hook(s, offset, length):
         if lo <= offset < hi:
@@ -403,27 +403,6 @@ def _checkpoint(tmp_path, n: int = 6, numel: int = 4096) -> tuple[str, dict[str,
     return path, t
 
 
-def _range_of(path: str, name: str) -> tuple[int, int]:
-    ck = open_checkpoint(path)
-    f, info = ck.names[name]
-    base = ck.headers[f].data_start
-    return base + info.start, base + info.end
-
-
-def _gate_hook(path, name, gate: threading.Event, log: list, arrived: threading.Event | None = None):
-    """Hold reads of ``name`` until ``gate`` opens (at most 20 s); log whether the gate opened.
-    ``arrived`` is set when a read is being held."""
-    lo, hi = _range_of(path, name)
-
-    def hook(src, offset, length):
-        if lo <= offset < hi:
-            if arrived is not None:
-                arrived.set()
-            log.append(gate.wait(20))
-        return None
-    return hook
-
-
 def test_tensors_follow_the_callers_order(tmp_path):
     path, t = _checkpoint(tmp_path)
     order = ["t4", "t0", "t5", "t2"]
@@ -438,7 +417,7 @@ def test_tensors_follow_the_callers_order(tmp_path):
 def test_tensors_yield_before_the_rest_has_landed(tmp_path):
     path, t = _checkpoint(tmp_path)
     gate, log = threading.Event(), []
-    source.fault_hook = _gate_hook(path, "t5", gate, log)
+    source.fault_hook = gate_hook(path, "t5", gate, log)
     with fs.safe_open(path, threads=2, chunk_bytes=4096) as f:
         it = f.tensors()
         name, first = next(it)
@@ -451,7 +430,7 @@ def test_tensors_yield_before_the_rest_has_landed(tmp_path):
 
 def test_tensors_yield_earlier_ones_then_raise(tmp_path):
     path, t = _checkpoint(tmp_path)
-    lo, hi = _range_of(path, "t3")
+    lo, hi = range_of(path, "t3")
 
     def hook(src, offset, length):
         if lo <= offset < hi:
@@ -470,7 +449,7 @@ def test_tensors_yield_earlier_ones_then_raise(tmp_path):
 def test_abandoning_the_iterator_cancels_the_rest(tmp_path, monkeypatch):
     path, t = _checkpoint(tmp_path, n=12)
     gate, log, reads, arrived = threading.Event(), [], [], threading.Event()
-    held = _gate_hook(path, "t2", gate, log, arrived)
+    held = gate_hook(path, "t2", gate, log, arrived)
 
     def hook(src, offset, length):
         reads.append(offset)
@@ -489,7 +468,7 @@ def test_abandoning_the_iterator_cancels_the_rest(tmp_path, monkeypatch):
         assert arrived.wait(20)     # the worker is held at t2
         it.close()
     assert log == [True]
-    lo_last, _ = _range_of(path, "t3")
+    lo_last, _ = range_of(path, "t3")
     assert all(off < lo_last for off in reads)        # nothing after the held tensor was read
     assert _foxhunt_threads() <= before
 
@@ -499,7 +478,7 @@ def test_abandoning_the_iterator_cancels_the_rest(tmp_path, monkeypatch):
 def test_background_wait_blocks_only_on_its_tensor(tmp_path):
     path, t = _checkpoint(tmp_path)
     gate, log = threading.Event(), []
-    source.fault_hook = _gate_hook(path, "t5", gate, log)
+    source.fault_hook = gate_hook(path, "t5", gate, log)
     h = fs.load_file(path, background=True, threads=2, chunk_bytes=4096)
     np.testing.assert_array_equal(h.wait("t1"), t["t1"])
     assert not h.done()
@@ -512,7 +491,7 @@ def test_background_wait_blocks_only_on_its_tensor(tmp_path):
 
 def test_background_error_surfaces_at_result(tmp_path):
     path, t = _checkpoint(tmp_path)
-    lo, hi = _range_of(path, "t4")
+    lo, hi = range_of(path, "t4")
 
     def hook(src, offset, length):
         if lo <= offset < hi:
@@ -532,7 +511,7 @@ def test_background_error_surfaces_at_result(tmp_path):
 def test_background_cancel(tmp_path, monkeypatch):
     path, _ = _checkpoint(tmp_path)
     gate, log, arrived, reads = threading.Event(), [], threading.Event(), []
-    held = _gate_hook(path, "t1", gate, log, arrived)
+    held = gate_hook(path, "t1", gate, log, arrived)
     source.fault_hook = lambda src, off, n: (reads.append(off), held(src, off, n))[1]
     real_cancel = pipeline.Job.cancel
     monkeypatch.setattr(pipeline.Job, "cancel", lambda self: (real_cancel(self), gate.set()))
@@ -540,7 +519,7 @@ def test_background_cancel(tmp_path, monkeypatch):
     assert arrived.wait(20)
     h.cancel()
     assert h.done() and log == [True] and not _foxhunt_threads()
-    assert all(off < _range_of(path, "t2")[0] for off in reads)
+    assert all(off < range_of(path, "t2")[0] for off in reads)
     with pytest.raises(pipeline.Cancelled):
         h.result()
 

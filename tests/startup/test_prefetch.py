@@ -24,26 +24,7 @@ from foxhunt_stream.io.checkpoint import open_checkpoint
 from foxhunt_stream.settings import merge
 from foxhunt_stream.startup import prefetch as prefetch_mod
 from foxhunt_stream.startup.prefetch import plan_pieces
-
-
-def _range_of(path: str, name: str) -> tuple[int, int]:
-    ck = open_checkpoint(path)
-    f, info = ck.names[name]
-    base = ck.headers[f].data_start
-    return base + info.start, base + info.end
-
-
-def _gate_hook(path, name, gate: threading.Event, log: list, arrived: threading.Event | None = None):
-    """Hold reads of ``name`` until ``gate`` opens (at most 20 s); log whether the gate opened.
-    ``arrived`` is set when a read is being held."""
-    lo, hi = _range_of(path, name)
-
-    def hook(src, offset, length):
-        if lo <= offset < hi:
-            if arrived is not None:
-                arrived.set()
-            log.append(gate.wait(20))
-    return hook
+from read_gates import range_of, gate_hook  # noqa: E402
 
 
 def _recording_hook(reads: list):
@@ -104,14 +85,14 @@ def test_prefetch_with_names_reads_only_those(checkpoint):
     h = fs.prefetch(checkpoint, names=["t1", "t4"], skip_resident=False, chunk_bytes=4096, helper_process=False)
     h.wait("t4")
     h.wait()
-    allowed = [_range_of(checkpoint, "t1"), _range_of(checkpoint, "t4")]
+    allowed = [range_of(checkpoint, "t1"), range_of(checkpoint, "t4")]
     assert reads and all(any(lo <= off and off + n <= hi for lo, hi in allowed) for _, off, n in reads)
     assert sum(n for *_, n in reads) == sum(hi - lo for lo, hi in allowed)
 
 
 def test_prefetch_wait_name_blocks_only_on_that_tensor(checkpoint):
     gate, log = threading.Event(), []
-    source.fault_hook = _gate_hook(checkpoint, "t5", gate, log)
+    source.fault_hook = gate_hook(checkpoint, "t5", gate, log)
     h = fs.prefetch(checkpoint, skip_resident=False, threads=2, chunk_bytes=4096, helper_process=False)
     h.wait("t0")
     h.wait("t2")
@@ -123,7 +104,7 @@ def test_prefetch_wait_name_blocks_only_on_that_tensor(checkpoint):
 
 
 def test_prefetch_error_propagates(checkpoint, foxhunt_threads):
-    lo, hi = _range_of(checkpoint, "t3")
+    lo, hi = range_of(checkpoint, "t3")
 
     def hook(src, offset, length):
         if lo <= offset < hi:
@@ -139,7 +120,7 @@ def test_prefetch_error_propagates(checkpoint, foxhunt_threads):
 
 def test_prefetch_cancel(checkpoint, monkeypatch, foxhunt_threads):
     gate, log, arrived = threading.Event(), [], threading.Event()
-    source.fault_hook = _gate_hook(checkpoint, "t1", gate, log, arrived)
+    source.fault_hook = gate_hook(checkpoint, "t1", gate, log, arrived)
     real_cancel = pipeline.Job.cancel
     monkeypatch.setattr(pipeline.Job, "cancel", lambda self: (real_cancel(self), gate.set()))
     h = fs.prefetch(checkpoint, skip_resident=False, threads=1, chunk_bytes=4096, helper_process=False)
@@ -179,7 +160,7 @@ def test_the_loader_reads_through_the_cache_while_a_prefetch_fills_it(checkpoint
     if backend() != "direct":
         pytest.skip("no O_DIRECT on this filesystem")
     gate, log = threading.Event(), []
-    source.fault_hook = _gate_hook(checkpoint, "t5", gate, log)
+    source.fault_hook = gate_hook(checkpoint, "t5", gate, log)
     h = fs.prefetch(checkpoint, skip_resident=False, threads=1, chunk_bytes=4096)
     try:
         assert backend() == "pread"   # positional reads through the cache (not yet resident: no mapping)

@@ -8,7 +8,7 @@
 CKPT holds a Llama model (config.json and bf16 safetensors shards; ``--size 16GB`` writes a
 Llama-3-8B-shaped one first, see ``common.py``); transformers builds the model from its config.
 Every start is a fresh process, ``python benchmarks/startup_bench.py child VARIANT CKPT
-[--device D] [--prefetch]``, timed from the spawn (in this process) to its first one-token
+[--device D] [--prefetch] [--trace T]``, timed from the spawn (in this process) to its first one-token
 forward finished on the device, with stamps along the way (reported as phases). The variants:
 
     floor         imports (torch, transformers), CUDA start, the model built on the meta
@@ -16,7 +16,11 @@ forward finished on the device, with stamps along the way (reported as phases). 
     transformers  AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16,
                   device_map=device), then the forward
     foxhunt       fs.transformers.from_pretrained(dir, device=device), then the forward; in a
-                  cold start preceded by fs.prefetch(dir) as the program's first statement
+                  cold start preceded, as the program's first statements, by
+                  pf = fs.prefetch(dir, imports=TRACE) and pf.wait_imports(): TRACE is the
+                  import trace fs.record_imports wrote at an earlier start (``--trace``; the
+                  parent records it in one untimed hot start when it is missing)
+    foxhunt_no_trace      (cold only) foxhunt after fs.prefetch(dir) alone: what the trace buys
     foxhunt_no_prefetch   (cold only) foxhunt without the prefetch: what the prefetch buys
     foxhunt_no_warm_forward   foxhunt with warm_forward=False: what the one-token forward run
                   inside from_pretrained while the weights land buys
@@ -42,9 +46,10 @@ import time
 
 START = time.time()   # in a child: when Python reached this program (its spawn is stamped by the parent)
 
-VARIANTS = ("floor", "transformers", "foxhunt", "foxhunt_no_prefetch", "foxhunt_no_warm_forward", "empty_forward")
+VARIANTS = ("floor", "transformers", "foxhunt", "foxhunt_no_trace", "foxhunt_no_prefetch", "foxhunt_no_warm_forward",
+            "empty_forward")
 DEFAULT_VARIANTS = ("floor", "transformers", "foxhunt")
-COLD_ONLY = ("foxhunt_no_prefetch",)
+COLD_ONLY = ("foxhunt_no_trace", "foxhunt_no_prefetch")
 CRITERIA = {"hot": 0.25, "cold": 0.2}   # (foxhunt - F) <= bar x (transformers - F)
 PHASES = ("start", "prefetch", "imports", "cuda", "model", "forward")
 
@@ -99,7 +104,7 @@ def build_empty_forward(directory: str, device: str, notes: list[str]):
 
 
 BUILDERS = {"floor": build_floor, "transformers": build_transformers, "foxhunt": build_foxhunt,
-            "foxhunt_no_prefetch": build_foxhunt, "foxhunt_no_warm_forward": build_foxhunt_no_warm_forward,
+            "foxhunt_no_trace": build_foxhunt, "foxhunt_no_prefetch": build_foxhunt, "foxhunt_no_warm_forward": build_foxhunt_no_warm_forward,
             "empty_forward": build_empty_forward}
 
 
@@ -112,21 +117,29 @@ def forward(model, device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def child_args(argv: list[str]) -> tuple[str, str, str, bool]:
-    """``VARIANT DIR [--device D] [--prefetch]``, read without argparse (nothing imported yet)."""
+def child_args(argv: list[str]) -> tuple[str, str, str, bool, str | None]:
+    """``VARIANT DIR [--device D] [--prefetch] [--trace T]``, read without argparse (nothing
+    imported yet)."""
     if len(argv) < 2 or argv[0] not in VARIANTS:
-        raise SystemExit(f"usage: startup_bench.py child {{{','.join(VARIANTS)}}} DIR [--device D] [--prefetch]")
+        raise SystemExit(f"usage: startup_bench.py child {{{','.join(VARIANTS)}}} DIR [--device D] [--prefetch] "
+                         "[--trace T]")
     device = argv[argv.index("--device") + 1] if "--device" in argv else "cuda:0"
-    return argv[0], argv[1], device, "--prefetch" in argv
+    trace = argv[argv.index("--trace") + 1] if "--trace" in argv else None
+    return argv[0], argv[1], device, "--prefetch" in argv, trace
 
 
 def child_main(argv: list[str]) -> None:
-    """One start: the prefetch first (when asked), the imports, CUDA, the model, the forward."""
-    variant, directory, device, prefetch = child_args(argv)
+    """One start: the prefetch first (when asked; with the import trace when there is one, waiting
+    for the code before importing), the imports, CUDA, the model, the forward; then, when a trace
+    was named but is missing, it is recorded for the next starts."""
+    variant, directory, device, prefetch, trace = child_args(argv)
     stamps = {"start": START}
+    traced = trace is not None and os.path.exists(trace)
     if prefetch:
         import foxhunt_stream as fs
-        fs.prefetch(directory)
+        pf = fs.prefetch(directory, imports=trace)   # a missing trace reads nothing, but notes the opens to record
+        if traced:
+            pf.wait_imports()
         stamps["prefetch"] = time.time()
     import torch  # noqa: F401
     import transformers  # noqa: F401
@@ -139,6 +152,9 @@ def child_main(argv: list[str]) -> None:
     if model is not None:
         forward(model, device)
         stamps["forward"] = time.time()
+    if trace is not None and not traced:
+        import foxhunt_stream as fs
+        notes.append(f"recorded {fs.record_imports(trace)} files into {trace}")
     import json
     print("RESULT " + json.dumps({"stamps": stamps, "notes": notes}), flush=True)
 
@@ -254,16 +270,27 @@ def report_lines(summary: dict, crit: dict, nbytes: int, device: str) -> list[st
     return lines
 
 
-def run_start(variant: str, mode: str, directory: str, device: str, timeout: float) -> dict:
-    """One start in a fresh process: its figures, or the error it ended with."""
+def child_command(variant: str, mode: str, directory: str, device: str, trace: str | None = None,
+                  record: bool = False) -> list[str]:
+    """The command of one start. Cold foxhunt starts prefetch, ``foxhunt`` with the import trace
+    ``trace``; ``record``: the start that writes the missing trace (it prefetches to note its opens)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "child", variant, directory, "--device", device]
+    if record or (mode == "cold" and variant in ("foxhunt", "foxhunt_no_trace")):
+        cmd.append("--prefetch")
+    if trace is not None and (record or (mode == "cold" and variant == "foxhunt")):
+        cmd += ["--trace", trace]
+    return cmd
+
+
+def run_start(variant: str, mode: str, directory: str, device: str, timeout: float, trace: str | None = None,
+              record: bool = False) -> dict:
+    """One start in a fresh process (``child_command``): its figures, or the error it ended with."""
     import json
     import subprocess
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.dirname(here) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, os.path.abspath(__file__), "child", variant, directory, "--device", device]
-    if mode == "cold" and variant == "foxhunt":
-        cmd.append("--prefetch")
+    cmd = child_command(variant, mode, directory, device, trace, record)
     spawn = time.time()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -282,6 +309,11 @@ def run_all(plan, args, files: list[str], say) -> list[dict]:
     from foxhunt_stream.cli import ceilings as ce
     runs: list[dict] = []
     t0 = time.monotonic()
+    trace = args.trace or os.path.abspath(args.ckpt).rstrip(os.sep) + ".imports"
+    if any(mode == "cold" and variant == "foxhunt" for _, mode, variant in plan) and not os.path.exists(trace):
+        ce.warm(files)
+        r = run_start("foxhunt", "hot", args.ckpt, args.device, args.timeout, trace, record=True)
+        say(f"import trace {trace}: " + (r.get("error") or "; ".join(r["notes"]))[-300:])
     for i, (rnd, mode, variant) in enumerate(plan):
         if should_stop(time.monotonic() - t0, estimate(runs, mode, variant), args.deadline):
             say(f"deadline: {len(plan) - i} of {len(plan)} starts not run")
@@ -290,7 +322,7 @@ def run_all(plan, args, files: list[str], say) -> list[dict]:
             ce.warm(files)
         elif mode == "cold":
             ce.drop_caches(files, whole_cache=True)
-        r = run_start(variant, mode, args.ckpt, args.device, args.timeout)
+        r = run_start(variant, mode, args.ckpt, args.device, args.timeout, trace)
         r.update(round=rnd, mode=mode, variant=variant)
         runs.append(r)
         status = f"{r['total_s']:.2f} s" if "total_s" in r else "FAILED: " + r["error"].splitlines()[-1][:200]
@@ -340,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=None, help="seconds: start no run that would end later")
     ap.add_argument("--timeout", type=float, default=180, help="seconds per start (default 180)")
     ap.add_argument("--plot", default=None, help="also draw the medians (matplotlib)")
+    ap.add_argument("--trace", default=None, help="the import trace of the cold foxhunt starts (default: CKPT.imports, "
+                                                  "recorded by one untimed hot start when missing)")
     args = ap.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -100,32 +100,49 @@ def test_no_criteria_without_all_three_variants():
 
 
 def test_child_arguments():
-    assert sb.child_args(["foxhunt", "/m", "--device", "cuda:1", "--prefetch"]) == ("foxhunt", "/m", "cuda:1", True)
-    assert sb.child_args(["floor", "/m"]) == ("floor", "/m", "cuda:0", False)
+    assert sb.child_args(["foxhunt", "/m", "--device", "cuda:1", "--prefetch"]) == ("foxhunt", "/m", "cuda:1", True, None)
+    assert sb.child_args(["floor", "/m"]) == ("floor", "/m", "cuda:0", False, None)
+    assert sb.child_args(["foxhunt", "/m", "--prefetch", "--trace", "/t"]) == ("foxhunt", "/m", "cuda:0", True, "/t")
     with pytest.raises(SystemExit, match="usage"):
         sb.child_args(["2s16", "/m"])
 
 
-def test_a_cold_start_prefetches_before_anything_is_imported(monkeypatch, capsys):
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_cold_start_prefetches_before_anything_is_imported(monkeypatch, capsys, tmp_path, traced):
     """The order of a child start, with torch and transformers stood in for: the prefetch is the
-    program's first statement, the imports come after it, the forward after the model."""
+    program's first statement (with the import trace, waiting for the code), the imports come
+    after it, the forward after the model."""
     order = []
     real_import = builtins.__import__
     fake = types.ModuleType("fake")
+    trace = tmp_path / "imports.trace"
+    if traced:
+        trace.write_text("")
 
     def importer(name, *args, **kwargs):
         if name in ("torch", "transformers"):
             order.append(f"import {name}")
             return fake
         return real_import(name, *args, **kwargs)
+
+    class Prefetch:
+        def wait_imports(self):
+            order.append("wait_imports")
+
+    def prefetch(d, imports=None):
+        order.append(f"prefetch {d} {'trace' if imports == str(trace) else imports}")
+        return Prefetch()
     import foxhunt_stream as fs
-    monkeypatch.setattr(fs, "prefetch", lambda d: order.append(f"prefetch {d}"), raising=False)
+    monkeypatch.setattr(fs, "prefetch", prefetch, raising=False)
+    monkeypatch.setattr(fs, "record_imports", lambda path: order.append("record") or 7, raising=False)
     monkeypatch.setattr(builtins, "__import__", importer)
     monkeypatch.setattr(sb, "start_cuda", lambda device: order.append("cuda"))
     monkeypatch.setitem(sb.BUILDERS, "foxhunt", lambda d, dev, notes: order.append("model") or "the model")
     monkeypatch.setattr(sb, "forward", lambda model, device: order.append(f"forward {model}"))
-    sb.child_main(["foxhunt", "/m", "--device", "cpu", "--prefetch"])
-    assert order == ["prefetch /m", "import torch", "import transformers", "cuda", "model", "forward the model"]
+    sb.child_main(["foxhunt", "/m", "--device", "cpu", "--prefetch", "--trace", str(trace)])
+    first = ["prefetch /m trace", "wait_imports"] if traced else ["prefetch /m trace"]
+    last = [] if traced else ["record"]   # a missing trace is recorded at the end, for the next starts
+    assert order == first + ["import torch", "import transformers", "cuda", "model", "forward the model"] + last
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1][len("RESULT "):])
     stamps = result["stamps"]
     assert list(stamps) == ["start", "prefetch", "imports", "cuda", "model", "forward"]
@@ -161,3 +178,15 @@ def test_startup_on_the_cpu_end_to_end(tmp_path):
     assert hot["transformers"]["phases_s"]["forward"] > 0 and "forward" not in hot["floor"]["phases_s"]
     assert data["machine"]["hardware"] and data["machine"]["commit"]
     assert "spawn to the first forward" in (out / "startup.txt").read_text()
+
+
+def test_only_cold_foxhunt_starts_prefetch_and_only_foxhunt_takes_the_import_trace():
+    def flags(variant, mode, record=False):
+        cmd = sb.child_command(variant, mode, "/m", "cuda:0", "/t", record)
+        return "--prefetch" in cmd, cmd[cmd.index("--trace") + 1] if "--trace" in cmd else None
+    assert flags("foxhunt", "cold") == (True, "/t")
+    assert flags("foxhunt_no_trace", "cold") == (True, None)
+    assert flags("foxhunt_no_prefetch", "cold") == (False, None)
+    assert flags("foxhunt", "hot") == (False, None)
+    assert flags("transformers", "cold") == (False, None)
+    assert flags("foxhunt", "hot", record=True) == (True, "/t")   # the start that records the trace

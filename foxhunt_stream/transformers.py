@@ -36,9 +36,10 @@ def from_pretrained(path: str | os.PathLike, device: Any = "cuda:0", model_class
     Other keywords are transformers' own (``attn_implementation``, config overrides,
     ``ignore_mismatched_sizes``, ``output_loading_info`` -- then ``(model, info)``...).
 
-    The load starts as soon as the checkpoint is found (after ``import transformers``); the
-    config, the model on the meta device, its non-persistent buffers (computed by each
-    architecture's own initialisation) and its ties are made while it runs. The call returns only
+    The load starts once transformers has read the config and imported the model's code (its
+    lazy imports are seconds of pure Python that the load's threads would slow); the model on
+    the meta device, its non-persistent buffers (computed by each architecture's own
+    initialisation) and its ties are made while it runs. The call returns only
     when every tensor has landed: nothing reachable from the model is ever on the meta device.
     With ``warm_forward`` (default: on for CUDA) a one-token forward runs while the weights stream
     in, each module waiting for its own tensors, so the first forward's one-time costs (kernel
@@ -58,9 +59,13 @@ def from_pretrained(path: str | os.PathLike, device: Any = "cuda:0", model_class
     if reason is not None:
         return hf.load_with_transformers(path if source is None else source.directory, device, model_class,
                                          dtype, kwargs, reason, source)
+    try:   # the config and the class (their modeling code imported) first: see hf.prepare
+        r = hf.prepare(source, model_class, dtype, kwargs)
+    except hf.Unservable as e:
+        return hf.load_with_transformers(source.directory, device, model_class, dtype, kwargs, str(e), source)
     from .torch import load_file
     handle = load_file(source.weights, device=device, background=True)   # the I/O starts now
-    return hf.finish(source, handle, device, model_class, dtype, kwargs, warm_forward)
+    return hf.finish(source, r, handle, device, model_class, dtype, kwargs, warm_forward)
 
 
 def machinery():

@@ -28,18 +28,33 @@ from .hf_match import KeyPlan, match
 from .hf_source import CheckpointSource, Unservable, directory_weights
 from .torch_load import StreamedLoad
 
-__all__ = ["finish", "load_with_transformers", "missing_api", "warm_up"]
+__all__ = ["Unservable", "finish", "load_with_transformers", "missing_api", "prepare", "warm_up"]
 
 log = logging.getLogger("foxhunt_stream")
 REPORT_LOGGER = "transformers.modeling_utils"   # the logger transformers' own load report goes to
 
 
-def finish(source: CheckpointSource, handle, device, model_class, dtype, kwargs: dict,
+def prepare(source: CheckpointSource, model_class, dtype, kwargs: dict) -> Recipe:
+    """The config, the concrete class and the dtype, found before the load starts (Unservable:
+    transformers' own from_pretrained takes it). Finding the class imports the architecture's
+    modeling code: transformers imports lazily, so this is seconds of pure Python, and a load
+    running beside it takes the GIL from it (on an H200 machine with 16 vCPU, a hot start spent
+    about 2 s more here with the load started first than the whole load takes)."""
+    model_class = model_class or transformers.AutoModelForCausalLM
+    if dtype is not None:
+        kwargs = dict(kwargs, dtype=dtype)
+    r = recipe(model_class, source, kwargs)
+    r.dtype = resolve_dtype(r.options["dtype"], r.config, lambda: checkpoint_dtype(source.weights))
+    return r
+
+
+def finish(source: CheckpointSource, r: Recipe, handle, device, model_class, dtype, kwargs: dict,
            warm_forward: bool | None):
-    """The model from ``handle`` (a background load of ``source.weights`` already running), or
-    transformers' own from_pretrained when this path cannot serve it (the load is cancelled)."""
+    """The model from ``handle`` (a background load of ``source.weights`` already running) and
+    ``r`` (``prepare``), or transformers' own from_pretrained when this path cannot serve it (the
+    load is cancelled)."""
     try:
-        return streamed_model(source, handle, device, model_class, dtype, kwargs, warm_forward)
+        return streamed_model(source, r, handle, device, warm_forward)
     except Unservable as e:
         handle.cancel()
         return load_with_transformers(source.directory, device, model_class, dtype, kwargs, str(e), source)
@@ -48,13 +63,8 @@ def finish(source: CheckpointSource, handle, device, model_class, dtype, kwargs:
         raise
 
 
-def streamed_model(source: CheckpointSource, handle, device, model_class, dtype, kwargs: dict,
-                   warm_forward: bool | None):
-    model_class = model_class or transformers.AutoModelForCausalLM
-    if dtype is not None:
-        kwargs = dict(kwargs, dtype=dtype)
-    r = recipe(model_class, source, kwargs)
-    dtype = resolve_dtype(r.options["dtype"], r.config, lambda: checkpoint_dtype(source.weights))
+def streamed_model(source: CheckpointSource, r: Recipe, handle, device, warm_forward: bool | None):
+    dtype = r.dtype
     model = build_on_meta(r, dtype, source.shown)
     plan = match(model, handle.shapes, dtype, r.options.get("key_mapping"))
     model._weight_conversions = plan.conversions   # as transformers keeps them, for save_pretrained

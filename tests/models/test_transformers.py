@@ -243,6 +243,26 @@ def test_generate_as_transformers(tiny):
                        got.generate(x, do_sample=False, max_new_tokens=4))
 
 
+def test_the_load_starts_after_the_model_code_is_imported(tiny, monkeypatch):
+    """Finding the class imports the architecture's modeling code (transformers imports lazily:
+    seconds of pure Python); the load's threads would take the GIL from it, so it starts after."""
+    order = []
+    real_recipe, real_load = hf.recipe, fs.torch.load_file
+    monkeypatch.setattr(hf, "recipe", lambda *a, **k: order.append("class found") or real_recipe(*a, **k))
+    monkeypatch.setattr(fs.torch, "load_file", lambda *a, **k: order.append("load started") or real_load(*a, **k))
+    path = tiny("llama")
+    assert_same_model(reference(path), ours(path))
+    assert order == ["class found", "load started"]
+
+
+def test_a_dtype_per_sub_model_goes_to_transformers_before_any_load(tiny, monkeypatch, caplog):
+    path = tiny("llama")
+    calls = spy_on_transformers(monkeypatch, transformers.AutoModelForCausalLM)
+    with caplog.at_level(logging.WARNING, logger="foxhunt_stream"):
+        assert fst.from_pretrained(path, device="cpu", dtype={"": torch.float32}) == "T"
+    assert calls == [(path, {"dtype": {"": torch.float32}})] and "a dtype per sub-model" in caplog.text
+
+
 # ---------------------------------------------------------------- what goes to transformers
 
 def spy_on_transformers(monkeypatch, cls):

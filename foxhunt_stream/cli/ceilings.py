@@ -306,16 +306,30 @@ def write_ceiling(directory: str, nbytes: int, threads: int, reps: int, chunk: i
         settle(path)
 
 
+def writer_counts(threads: int, method: str) -> list[int]:
+    """The writer counts a write ceiling tries. The kernel serializes writes to one file (pwrite:
+    its inode lock; mapped copies: mapping and unmapping each window takes the file's mapping lock
+    and interrupts every CPU running a writer), so more writers can cost more than they bring,
+    and a saver, whose writers also wait on the device, may reach more than ``threads`` writers
+    writing flat out: on one H200 machine (16 vCPU), a save into /dev/shm ran at 6.99 GB/s against
+    4.89 for 16 writers of mapped copies. pwrite: 1 and ``threads``; mapped: ``threads``, half and
+    a quarter of them."""
+    if method == "pwrite":
+        return sorted({1, threads})
+    return sorted({threads, max(1, threads // 2), max(1, threads // 4)})
+
+
 def best_write_ceiling(directory: str, nbytes: int, threads: int, reps: int, chunk: int, method: str = "pwrite",
                        fsync: bool = False) -> tuple[list[float], str]:
-    """``write_ceiling`` by ``threads`` writers and, for pwrite, by one as well, whichever is faster
-    (by median): the kernel serializes writes to one file, so more writers can cost more than
-    they bring, and a saver may write either way. Returns the times and who wrote them."""
-    times = write_ceiling(directory, nbytes, threads, reps, chunk, method, fsync)
-    if method != "pwrite" or threads == 1:
-        return times, f"{threads} thread{'s' if threads > 1 else ''}"
-    alone = write_ceiling(directory, nbytes, 1, reps, chunk, method, fsync)
-    return min(times, alone, key=lambda t: sorted(t)[len(t) // 2]), f"best of 1 and {threads} threads"
+    """``write_ceiling`` by each of ``writer_counts``, the fastest (by median). Returns its times
+    and who wrote them."""
+    def median(t: list[float]) -> float:
+        return sorted(t)[len(t) // 2]
+    counts = writer_counts(threads, method)
+    runs = {n: write_ceiling(directory, nbytes, n, reps, chunk, method, fsync) for n in counts}
+    best = min(counts, key=lambda n: median(runs[n]))
+    who = f"{best} thread{'s' if best > 1 else ''}"
+    return runs[best], who if len(counts) == 1 else f"{who}, the best of {', '.join(map(str, counts))}"
 
 
 def _copy_mapped(fd: int, data: np.ndarray, offset: int) -> None:

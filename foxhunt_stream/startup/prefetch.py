@@ -19,8 +19,10 @@ shallow queue: files advised ``POSIX_FADV_RANDOM`` (no readahead: the kernel que
 call, read by a helper process (``helper_process``) so that ~10^3 calls a second take none of
 this process's GIL; or at a set rate (``max_rate``). Either way until the load begins. On an H200
 machine with 16 vCPU, cold, a read of the imports waited 0.1-0.3 ms behind that queue against ~7 ms
-behind readahead, and the cold start went from 0.8-0.9x transformers' ``from_pretrained`` to
-0.56-0.61x (``benchmarks/RESULTS.md``, startup).
+behind readahead. With an import trace and ``wait_imports()``, a cold start of
+``fs.transformers.from_pretrained`` took 0.83 s more than imports, CUDA and the empty model
+alone, against 12.95 s more for transformers' ``from_pretrained`` (``benchmarks/RESULTS.md``,
+startup).
 """
 
 from __future__ import annotations

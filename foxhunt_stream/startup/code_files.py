@@ -148,7 +148,8 @@ class TracedCodeReader:
     def wait(self, timeout: float | None = None) -> None:
         """Until the files are read and their directories and inodes prefetched."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for t in (self.thread, self.metadata_thread):   # the second is started by the first
+        for which in ("thread", "metadata_thread"):   # the second is started by the first: looked up after it
+            t = getattr(self, which)
             if t is not None:
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 if t.is_alive():

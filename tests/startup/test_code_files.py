@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -225,13 +226,40 @@ def test_wait_imports_returns_once_the_code_files_are_read(tmp_path, checkpoint,
     gate = threading.Event()
     _fills(monkeypatch, before=lambda path: path == checkpoint and gate.wait(10))
     h = fs.prefetch(checkpoint, skip_resident=False, threads=1, imports=trace, helper_process=False)
-    h.wait_imports(timeout=10)
-    assert h.module_bytes == 30_000                                  # every code file read
-    assert not _threads_named("foxhunt-prefetch-modules") and not _threads_named("foxhunt-prefetch-metadata")
-    assert h.bytes_done == 0 and not h.done()                       # the checkpoint still to come
-    gate.set()
+    try:
+        h.wait_imports(timeout=10)
+        assert h.module_bytes == 30_000                                  # every code file read
+        assert not _threads_named("foxhunt-prefetch-modules") and not _threads_named("foxhunt-prefetch-metadata")
+        assert h.bytes_done == 0 and not h.done()                       # the checkpoint still to come
+    finally:
+        gate.set()   # a failure above must not leave the reader held for the tests after this one
     h.wait(timeout=10)
     assert h.bytes_done == h.nbytes
+
+
+def test_wait_imports_waits_for_a_metadata_pass_started_after_it_was_called(tmp_path, checkpoint, monkeypatch):
+    """The code reader starts the metadata thread only once it has found the files; a wait that
+    began before must still wait for that thread, not only for the reader."""
+    f = tmp_path / "m.so"
+    f.write_bytes(b"x" * 10_000)
+    trace = tmp_path / "imports.txt"
+    trace.write_text(TRACE_HEADER + "\n" + str(f) + "\n")
+    finished = threading.Event()
+    real_find = code_files.code_files
+
+    def slow_find(*a, **k):   # the wait below begins before the metadata thread exists
+        time.sleep(0.3)
+        return real_find(*a, **k)
+
+    def slow_metadata(*a, **k):
+        time.sleep(0.5)
+        finished.set()
+    monkeypatch.setattr(code_files, "code_files", slow_find)
+    monkeypatch.setattr(code_files, "prefetch_metadata", slow_metadata)
+    h = fs.prefetch(checkpoint, skip_resident=False, imports=trace, helper_process=False)
+    h.wait_imports(timeout=10)
+    assert finished.is_set() and not _threads_named("foxhunt-prefetch-metadata")
+    h.wait(timeout=10)
 
 
 def test_wait_imports_without_code_files_returns_at_once(checkpoint):

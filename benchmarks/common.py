@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -136,10 +136,12 @@ def framework(device: str) -> str:
     return "numpy" if device == "cpu" else "pt"
 
 
-def synchronize(device: str) -> None:
-    if device != "cpu":
-        import torch
-        torch.cuda.synchronize(device)
+def synchronize(device: str | Iterable[str]) -> None:
+    """Wait for ``device`` (or each of several devices); nothing to wait for on the CPU."""
+    for d in [device] if isinstance(device, str) else device:
+        if d != "cpu":
+            import torch
+            torch.cuda.synchronize(d)
 
 
 def tensor_bytes(tensors: dict) -> int:
@@ -147,8 +149,8 @@ def tensor_bytes(tensors: dict) -> int:
                else t.numel() * t.element_size() for t in tensors.values())
 
 
-def timed(fn: Callable[[], Any], device: str) -> float:
-    """Seconds of one call of ``fn`` with the device synchronized on both sides; its result freed."""
+def timed(fn: Callable[[], Any], device: str | Iterable[str]) -> float:
+    """Seconds of one call of ``fn`` with the device(s) synchronized on both sides; its result freed."""
     synchronize(device)
     t0 = time.perf_counter()
     out = fn()

@@ -43,11 +43,6 @@ def placement(names: list[str], device_map: dict[str, str]) -> dict[str, str]:
     return {n: where(n) for n in names}
 
 
-def synchronize(devices: set[str]) -> None:
-    for d in devices:
-        common.synchronize(d)
-
-
 def check_bytes(out: dict, files: list[str]) -> dict[str, int]:
     """Per device the bytes landed there; the middle tensor of each device equals the file's bytes."""
     import torch
@@ -89,13 +84,13 @@ def main(argv: list[str] | None = None) -> dict:
     data = {}
     for name, (load, devices) in cases.items():
         out = load()
-        synchronize(devices)
+        common.synchronize(devices)
         placed = check_bytes(out, files)
         nbytes = sum(placed.values())
         del out
         times = []
         for _ in range(args.repeat):
-            times.append(timed(load, devices))
+            times.append(common.timed(load, devices))
         first = min(data[next(iter(data))]["seconds"]) if data else min(times)
         rows.append((name, f"{min(times):.3f}", f"{median(times):.3f}", f"{nbytes / min(times) / GB:.2f}",
                      f"{first / min(times):.2f}", ", ".join(f"{d} {n / GB:.2f}" for d, n in sorted(placed.items()))))
@@ -116,17 +111,6 @@ def main(argv: list[str] | None = None) -> dict:
     res.save()
     return {"bytes": nbytes, "GB/s": {k: nbytes / min(v["seconds"]) / GB for k, v in data.items()},
             "h2d": ceilings, "on_a": on_a}
-
-
-def timed(load, devices: set[str]) -> float:
-    import time
-    synchronize(devices)
-    t0 = time.perf_counter()
-    out = load()
-    synchronize(devices)
-    seconds = time.perf_counter() - t0
-    del out
-    return seconds
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ plans:
 - columns: every 2-D tensor along dim 1, the norms whole.
 
 The full load and the three plans take turns in ``--rounds`` interleaved rounds (the order
-rotated each round) after one untimed run each; medians. The Llama and columns plans also run
-with ``backend="auto"``, which gathers their column slices out of a mapping of each cached file
-instead of reading whole row spans (the default, ``pread``). Reported per plan: the bytes landed
+rotated each round) after one untimed run each; medians. The default backend ("auto") gathers
+the column slices of cached files out of a mapping; the Llama and columns plans also run with
+``backend="pread"``, which reads each column slice's whole row span. Reported per plan: the bytes landed
 and the bytes read (a gather counts the pages its rows touch), GB/s landed, the median time over
 the full load's (the fraction a rank pays; ideal 1/tp), and, untimed, the wait for the load's
 mappings to be unmapped (on a background thread after the load). With ``--cold`` (root): the
-Llama plan after drop_caches, the default against ``backend="auto"``, 3 rounds: a cold file keeps
+Llama plan after drop_caches, the default against ``backend="pread"``, 3 rounds: a cold file keeps
 positional reads either way.
 """
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = common.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=8, help="ranks (default 8); rank 0 is measured")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median; default 7)")
-    ap.add_argument("--cold", action="store_true", help="also the Llama plan cold, default against pread (root)")
+    ap.add_argument("--cold", action="store_true", help="also the Llama plan cold, the default against pread (root)")
     args = ap.parse_args(argv)
     files = common.ensure_checkpoint(args.ckpt, args.size, args.shards)
     res = Results("tp", args.out)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     cases.update({name: load(dim) for name, dim in plans(shapes).items()})
     for name, dim in plans(shapes).items():
         if not name.startswith("rows"):
-            cases[name.split(" (")[0] + ', backend="auto"'] = load(dim, backend="auto")
+            cases[name.split(" (")[0] + ', backend="pread"'] = load(dim, backend="pread")
     common.ce.warm(files)
     landed, read = {}, {}
     for name, fn in cases.items():   # the untimed run: bytes landed and read, pools and caches filled
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     fraction={k: median(v) / full for k, v in times.items()})
     if args.cold and args.device.startswith("cuda"):   # drop_caches: not on a CPU smoke run
         llama = next(dim for name, dim in plans(shapes).items() if name.startswith("Llama"))
-        cold = {"Llama, cold": load(llama), 'Llama, cold, backend="auto"': load(llama, backend="auto")}
+        cold = {"Llama, cold": load(llama), 'Llama, cold, backend="pread"': load(llama, backend="pread")}
         cold_times = {k: [] for k in cold}
         for _ in range(3):
             for name, fn in cold.items():

@@ -43,6 +43,6 @@ def load(data: bytes) -> dict[str, np.ndarray]:
 
 
 def load_file(filename: str | os.PathLike, *, backend: str | None = None, **options: Any) -> dict[str, np.ndarray]:
-    """``safetensors.numpy.load_file``: ``{name: np.ndarray}``. ``backend``: "pread", "mmap" or
+    """``safetensors.numpy.load_file``: ``{name: np.ndarray}``. ``backend``: "auto", "pread", "mmap" or
     "direct" (None: the library's choice); other options as for ``foxhunt_stream.load_file``."""
     return api.load_file(filename, device="cpu", framework="numpy", backend=backend, **options)

@@ -63,10 +63,8 @@ class Settings:
                                      # load: three quarters of that, see background_threads)
     chunk_bytes: int = 8 << 20       # bytes per copy through a staging slot (8 MiB: best on the H200 machine)
     staging_bytes: int = 256 << 20   # pinned staging per device (slots = staging / chunk; 2 per worker)
-    backend: Backend = "pread"       # positional reads; "auto" also gathers the column slices of files in
-                                     # the page cache out of a mapping (engine.loader.gathering_files):
-                                     # on an H200 machine (2026-12-01) that was 0.9-1.1x the time of pread
-                                     # for a TP=8 rank (the page faults of a fresh mapping), so not the default
+    backend: Backend = "auto"        # positional reads, and the column slices of files in the page cache
+                                     # gathered out of a mapping (engine.loader.gathering_files)
     direct_io: DirectIO = "auto"     # auto: O_DIRECT only for files that would not stay in the cache
     write_backend: WriteBackend = "auto"   # auto: mmap for big files on tmpfs written by >= 8 threads
     verify_on: VerifyOn = "auto"     # where verify=True hashes (auto: on the GPU for

@@ -68,7 +68,7 @@ def load_file(filename: str | os.PathLike, device: str | int = "cpu", *, backend
 
     Also takes a list of files, an index.json or a directory, and the loader's options
     (``names``, ``background``, ``threads``, ``device_map`` for several GPUs...). ``backend``:
-    "pread", "mmap" or "direct" (None: the library's choice).
+    "auto", "pread", "mmap" or "direct" (None: the library's choice, "auto").
     """
     return api.load_file(filename, device=device, framework="pt", backend=backend, **options)
 

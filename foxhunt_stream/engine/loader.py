@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from typing import Any, Mapping, MutableMapping, Sequence
+from typing import Any, Collection, Mapping, MutableMapping, Sequence
 
 from .. import settings as _settings
 from ..cuda import runtime as cudart
@@ -71,12 +71,13 @@ GATHER_RESIDENT = 0.9
 COLD_RESIDENT = 0.5
 
 
-def gathering_files(ck: Checkpoint, s: _settings.Settings) -> frozenset[int]:
+def gathering_files(ck: Checkpoint, s: _settings.Settings, among: Collection[int] | None = None) -> frozenset[int]:
     """The files whose strided runs (column slices) a load gathers row by row out of a mapping
     instead of reading their whole row spans; the plan cuts those runs by the bytes they land.
 
-    With backend "auto" (opt-in; the default is "pread") these are the files in the page cache. A cold file, or one
-    a prefetch is still filling, keeps positional reads of whole spans: through a mapping its
+    With backend "auto" (the default) these are the files in the page cache, of ``among`` (the
+    files holding a column slice, ``strided_files``; None: every file). A cold file, or one a
+    prefetch is still filling, keeps positional reads of whole spans: through a mapping its
     missing pages would come in one fault, one small read, at a time. With "mmap": every file
     that is not read with O_DIRECT."""
     if s.backend == "mmap":
@@ -84,7 +85,15 @@ def gathering_files(ck: Checkpoint, s: _settings.Settings) -> frozenset[int]:
     if s.backend != "auto" or s.direct_io == "on":
         return frozenset()
     return frozenset(i for i, p in enumerate(ck.paths)
-                     if not pagecache.prefetching(p) and pagecache.resident_fraction(p) >= GATHER_RESIDENT)
+                     if (among is None or i in among)
+                     and not pagecache.prefetching(p) and pagecache.resident_fraction(p) >= GATHER_RESIDENT)
+
+
+def strided_files(ck: Checkpoint, indices: Mapping[str, Any] | None) -> frozenset[int]:
+    """The files holding a selection indexed past its first dim (``x[:, a:b]``: a strided run).
+    Only these are worth mapping for gathers."""
+    return frozenset(ck.names[n][0] for n, index in (indices or {}).items()
+                     if isinstance(index, tuple) and len(index) > 1)
 
 
 def open_sources(ck: Checkpoint, s: _settings.Settings, gathered: frozenset[int] = frozenset(), *,
@@ -178,9 +187,9 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
     ck = open_checkpoint(source)
     chosen = select(ck, names)
     devices, fw = where.for_names(chosen)
-    gathered = gathering_files(ck, s)
-    plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify,
-                                        devices, gathered)
+    indices = indices_for(ck, chosen, shard)
+    gathered = gathering_files(ck, s, strided_files(ck, indices))
+    plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices), s, verify, devices, gathered)
     if where.device_map is not None:
         plan = interleave_by_device(plan, devices)
     sources = open_sources(ck, s, gathered, needs=file_bytes(plan, len(ck.paths)))
@@ -257,8 +266,9 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
         if b.device.is_cuda and (type(fw), b.device) not in settled:
             fw.settle(b.device)
             settled.add((type(fw), b.device))
-    gathered = gathering_files(ck, s)
-    plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices_for(ck, chosen, shard)), s, verify,
+    indices = indices_for(ck, chosen, shard)
+    gathered = gathering_files(ck, s, strided_files(ck, indices))
+    plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices), s, verify,
                                         [b.device for b in buffers], gathered)
     sources = open_sources(ck, s, gathered, needs=file_bytes(plan, len(ck.paths)))
     try:

@@ -6,19 +6,24 @@ page cache; a strided numpy copy out of a mapping touches only the rows (and rel
 
 A load maps each file once, when its source opens, and its workers share the mapping. Never
 per chunk: every ``munmap`` in a process with many threads interrupts each CPU running one of
-them (a TLB shootdown). The first touch of each 64 KiB of a fresh mapping is a minor fault that
-maps those pages (the kernel's fault-around), and unmapping undoes every page so mapped: about
-75 ms per 3.9 GB on one CPU of the H200 machine. So a mapping that was used is unmapped on a
-thread of its own once its source closes, off the load's path (``wait_unmapped`` waits for them).
+them (a TLB shootdown). The first touch of a fresh mapping's pages is a minor fault that maps
+them and their neighbours (the kernel's fault-around: 64 KiB, or the large folio holding them),
+and unmapping undoes every page so mapped: 20-200 ms for a TP=8 column shard of a 16 GB
+checkpoint on the H200 machine, depending on how the page cache holds the files. So a mapping
+that was used is unmapped on a thread of its own, without the GIL, once its source closes and
+no view of it is left (``wait_unmapped`` waits for them).
 
 What a gather counts as read is ``touched_bytes``: the bytes of the pages holding its rows.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+import os
 import threading
+import weakref
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:   # numpy is imported where it is used: a prefetch starts its code readers first
@@ -83,49 +88,94 @@ def page_extents(run: "Run", page: int = PAGE) -> Iterator[tuple[int, int]]:
 
 
 class FileMap:
-    """``size`` bytes of ``fd`` mapped shared and read-only."""
+    """``size`` bytes of ``fd`` mapped shared and read-only.
+
+    Mapped and unmapped through libc (ctypes), not Python's ``mmap``, whose ``close`` holds the
+    GIL through the munmap: on the H200 machine that stalled the load's caller for 22 ms after a
+    TP=8 column shard (4 files). Views keep the mapping alive: they hold its buffer, and the
+    munmap runs when the last of them (or the map) is gone."""
 
     def __init__(self, fd: int, size: int) -> None:
         self.size = size
-        self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
-        self.used = False
+        self._state = [False]   # used: the finalizer reads it after this object is gone
+        self._buf = None
+        if size:
+            addr = _libc_map(fd, size)
+            self._buf = (ctypes.c_char * size).from_address(addr)
+            done = weakref.finalize(self._buf, _release, addr, size, self._state)
+            done.atexit = False   # the process's exit unmaps everything anyway
+
+    @property
+    def used(self) -> bool:
+        return self._state[0]
+
+    def _view(self, shape, offset: int, strides=None) -> "np.ndarray":
+        import numpy as np
+        if self._buf is None:
+            raise ValueError("the mapping is closed" if self.size else "nothing is mapped (an empty file)")
+        self._state[0] = True
+        out = np.ndarray(shape, np.uint8, buffer=self._buf, offset=offset, strides=strides)
+        out.flags.writeable = False   # PROT_READ: a write would be a SIGSEGV, not an error
+        return out
 
     def rows(self, run: "Run") -> "np.ndarray":
         """The run's rows as a read-only (height, width) view into the mapping; no byte is touched
         yet. numpy refuses a view that would reach past the mapping."""
-        import numpy as np
-        self.used = True
-        return np.ndarray((run.height, run.width), np.uint8, buffer=self._map, offset=run.src,
-                          strides=(run.pitch, 1))
+        return self._view((run.height, run.width), run.src, (run.pitch, 1))
 
     def bytes(self, offset: int, length: int) -> "np.ndarray":
         """``[offset, offset+length)`` as a read-only view into the mapping."""
-        import numpy as np
-        self.used = True
-        return np.ndarray((length,), np.uint8, buffer=self._map, offset=offset)
+        return self._view((length,), offset)
 
     def close(self) -> None:
-        """Unmap: at once when nothing was touched, else on a thread of its own (module doc)."""
-        m, self._map = self._map, None
-        if m is None:
-            return
-        if not self.used:
-            _unmap(m)
-            return
-        t = threading.Thread(target=_unmap, args=(m,), name="foxhunt-unmap", daemon=True)
-        with _unmapping_lock:
-            _unmapping.add(t)
-        t.start()
+        """Drop the mapping: unmapped once no view of it is left (module doc)."""
+        self._buf = None
 
 
-def _unmap(m: mmap.mmap) -> None:
+_libc = None
+
+
+def _lib():
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                             ctypes.c_int64]
+        lib.munmap.restype = ctypes.c_int
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc = lib
+    return _libc
+
+
+def _libc_map(fd: int, size: int) -> int:
+    """mmap(PROT_READ, MAP_SHARED) of the whole file; OSError when the kernel refuses."""
+    addr = _lib().mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mmap of {size} bytes failed: {os.strerror(e)}")
+    return addr
+
+
+def _munmap(addr: int, size: int) -> None:
+    """ctypes drops the GIL for the call: the caller's other threads run through it."""
     try:
-        m.close()   # the munmap runs without the GIL
-    except BufferError:   # a view of it is still alive somewhere: unmapped with the last one
-        pass
+        _lib().munmap(addr, size)
     finally:
         with _unmapping_lock:
             _unmapping.discard(threading.current_thread())
+
+
+def _release(addr: int, size: int, state: list) -> None:
+    """The last reference to a mapping is gone: unmap it at once when nothing was touched (no
+    page is mapped: cheap), else on a thread of its own, off the load's path."""
+    if not state[0]:
+        _lib().munmap(addr, size)
+        return
+    t = threading.Thread(target=_munmap, args=(addr, size), name="foxhunt-unmap", daemon=True)
+    with _unmapping_lock:
+        _unmapping.add(t)
+    t.start()
 
 
 def wait_unmapped(timeout: float | None = None) -> bool:

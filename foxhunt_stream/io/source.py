@@ -2,12 +2,12 @@
 
 Backends behind one small interface:
 
-* ``pread``  - ``os.preadv`` (the default: releases the GIL, and a truncated file is a short
+* ``pread``  - ``os.preadv`` (releases the GIL, and a truncated file is a short
   read, never a SIGBUS); a strided run (a column slice) is read as its whole row span;
 * ``auto``   - ``pread``, and the file also maps itself (``mapping.FileMap``) so that a strided
-  run is gathered row by row, touching only the pages of its rows (opt-in: the loader gives it
-  to files in the page cache, ``pread`` or ``direct`` to the others; on an H200 machine it took
-  0.9-1.1x pread's time for a TP=8 rank, the page faults of a fresh mapping included);
+  run is gathered row by row, touching only the pages of its rows (the default: the loader gives
+  it to the files in the page cache that hold a column slice, ``pread`` or ``direct`` to the
+  others);
 * ``mmap``   - every read is a numpy copy out of the mapping;
 * ``direct`` - ``O_DIRECT`` reads of page-aligned spans into aligned buffers, bypassing the page
   cache (for cold files); the bytes wanted are a view into the over-read span.

@@ -174,6 +174,6 @@ def test_the_runner_on_the_cpu(tmp_path):
     load = json.loads((out / "load.json").read_text())
     assert load["loads"]["foxhunt_stream load_file"]["seconds"] and load["bytes"] > 0.7 * (16 << 20)
     tp = json.loads((out / "tp.json").read_text())
-    assert set(tp["fraction"]) == {"full load", *tp_bench.plans({}).keys(), 'Llama, backend="auto"',
-                                   'columns, backend="auto"'}
+    assert set(tp["fraction"]) == {"full load", *tp_bench.plans({}).keys(), 'Llama, backend="pread"',
+                                   'columns, backend="pread"'}
     assert tp["landed"]["rows (every 2-D tensor along dim 0)"] < tp["landed"]["full load"] / 4

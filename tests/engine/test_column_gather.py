@@ -1,5 +1,5 @@
-"""Column slices of files in the page cache are gathered out of a mapping (backend "auto", which
-every test here asks for: the default is "pread").
+"""Column slices of files in the page cache are gathered out of a mapping (backend "auto", the
+default).
 
 A dim-1 (or later-dim) shard reads only the pages holding its rows, counted by
 ``total_bytes_read`` and seen by the fault hook; slices still equal numpy for every dtype and
@@ -26,13 +26,6 @@ from foxhunt_stream.io.checkpoint import open_checkpoint, read_header
 from foxhunt_stream.io.source import FileSource, total_bytes_read
 
 PAGE = mapping.PAGE
-
-
-@pytest.fixture(autouse=True)
-def gather_backend():
-    """Every load here asks for the gathering backend, unless a test passes its own."""
-    with fs.settings.override(backend="auto"):
-        yield
 
 
 class ReadLog:
@@ -226,6 +219,35 @@ def test_a_file_a_prefetch_is_filling_keeps_positional_reads(column_ckpt, read_l
     monkeypatch.setattr(pagecache, "prefetching", lambda p: True)
     _reads_of(path, read_log)
     assert gathers[True] == 0
+
+
+def test_the_default_gathers_column_slices_of_cached_files():
+    assert fs.settings.merge().backend == "auto"
+
+
+def test_only_files_holding_a_column_slice_are_mapped(in_cache, tmp_path, monkeypatch, gathers):
+    """A row shard or a whole load has no strided run: nothing is mapped, no residency sampled
+    for gathers; a column slice maps only the file that holds it."""
+    x = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
+    a = save(tmp_path / "a.safetensors", {"a": x})
+    b = save(tmp_path / "b.safetensors", {"b": x + 1})
+    opened = []
+    real = loader.open_source
+
+    def recording(path, backend="pread", expected_size=None):
+        opened.append((os.path.basename(path), backend))
+        return real(path, backend, expected_size)
+    monkeypatch.setattr(loader, "open_source", recording)
+    for shard in (None, fs.TPSlice(1, 4, 0)):
+        opened.clear()
+        fs.load_file([a, b], shard=shard)
+        assert sorted(opened) == [("a.safetensors", "pread"), ("b.safetensors", "pread")]
+    opened.clear()
+    out = fs.load_file([a, b], shard=fs.TPSlice(1, 4, {"b": 1, "*": 0}))
+    np.testing.assert_array_equal(out["b"], (x + 1)[:, 64:128])
+    np.testing.assert_array_equal(out["a"], x[16:32])
+    assert sorted(opened) == [("a.safetensors", "pread"), ("b.safetensors", "auto")]
+    assert gathers[True] >= 1
 
 
 @pytest.mark.parametrize("options", [dict(backend="pread"), dict(direct_io="on"), dict(backend="direct")])

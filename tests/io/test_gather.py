@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -176,6 +177,58 @@ def test_an_unused_mapping_is_unmapped_at_once(wide):
         assert os.fspath(path) not in mapped_paths()
         assert not [t for t in threading.enumerate() if t.name == "foxhunt-unmap"]
     finally:
+        os.close(fd)
+
+
+def test_a_view_alive_after_close_keeps_the_mapping_until_it_goes(wide):
+    path, x = wide
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        m = FileMap(fd, os.fstat(fd).st_size)
+        run = column_run(x, 8, 16)
+        view = m.rows(run)
+        assert not view.flags.writeable
+        m.close()
+        assert os.fspath(path) in mapped_paths()                    # a reader still holds a view
+        np.testing.assert_array_equal(np.ascontiguousarray(view).view(np.float32), x[:, 8:16])
+        del view
+        assert mapping.wait_unmapped(30)
+        assert os.fspath(path) not in mapped_paths()
+        with pytest.raises(ValueError, match="closed"):
+            m.rows(run)
+    finally:
+        os.close(fd)
+
+
+def test_close_returns_while_a_used_mapping_is_unmapped(wide, monkeypatch):
+    """The caller goes on while a used mapping is unmapped (on the H200 machine the munmap of a
+    TP shard's mappings took 20-200 ms)."""
+    path, x = wide
+    fd = os.open(path, os.O_RDONLY)
+    release = threading.Event()
+    ticks = []
+    real = mapping._lib()
+
+    def slow_munmap(addr, size):   # libc's munmap of a big mapping, slowed down
+        release.wait(10)
+        return real.munmap(addr, size)
+
+    class Lib:
+        munmap = staticmethod(slow_munmap)
+    try:
+        m = FileMap(fd, os.fstat(fd).st_size)
+        m.rows(column_run(x, 0, 4))
+        monkeypatch.setattr(mapping, "_lib", lambda: Lib)
+        m.close()
+        for _ in range(5):                                          # the caller runs meanwhile
+            ticks.append(time.perf_counter())
+            time.sleep(0.01)
+        assert len(ticks) == 5 and not mapping.wait_unmapped(0.05)  # the unmap is still under way
+        release.set()
+        assert mapping.wait_unmapped(30)
+        assert os.fspath(path) not in mapped_paths()
+    finally:
+        release.set()
         os.close(fd)
 
 

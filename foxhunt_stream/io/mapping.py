@@ -10,8 +10,9 @@ them (a TLB shootdown). The first touch of a fresh mapping's pages is a minor fa
 them and their neighbours (the kernel's fault-around: 64 KiB, or the large folio holding them),
 and unmapping undoes every page so mapped: 20-200 ms for a TP=8 column shard of a 16 GB
 checkpoint on the H200 machine, depending on how the page cache holds the files. So a mapping
-that was used is unmapped on a thread of its own, without the GIL, once its source closes and
-no view of it is left (``wait_unmapped`` waits for them).
+that was used is unmapped off the load's path, once its source closes and no view of it is
+left: by one thread (``_unmap_pending``), without the GIL, its pages dropped before the munmap
+(``wait_unmapped`` waits for it).
 
 What a gather counts as read is ``touched_bytes``: the bytes of the pages holding its rows.
 """
@@ -24,6 +25,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections import deque
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:   # numpy is imported where it is used: a prefetch starts its code readers first
@@ -32,6 +34,7 @@ if TYPE_CHECKING:   # numpy is imported where it is used: a prefetch starts its 
     from ..format.indexing import Run
 
 PAGE = mmap.PAGESIZE
+DONTNEED = getattr(mmap, "MADV_DONTNEED", None)   # Linux and most Unixes
 
 _unmapping: set[threading.Thread] = set()
 _unmapping_lock = threading.Lock()
@@ -144,6 +147,8 @@ def _lib():
                              ctypes.c_int64]
         lib.munmap.restype = ctypes.c_int
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.madvise.restype = ctypes.c_int
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc = lib
     return _libc
 
@@ -157,25 +162,51 @@ def _libc_map(fd: int, size: int) -> int:
     return addr
 
 
-def _munmap(addr: int, size: int) -> None:
-    """ctypes drops the GIL for the call: the caller's other threads run through it."""
-    try:
-        _lib().munmap(addr, size)
-    finally:
-        with _unmapping_lock:
-            _unmapping.discard(threading.current_thread())
+# a used mapping's pages are dropped this many bytes at a time before the munmap (module doc)
+DROP_BYTES = 64 << 20
+_pending: deque[tuple[int, int]] = deque()   # (address, size) of used mappings waiting to be unmapped
+_unmapper: threading.Thread | None = None    # the thread unmapping them, while there is one
 
 
 def _release(addr: int, size: int, state: list) -> None:
     """The last reference to a mapping is gone: unmap it at once when nothing was touched (no
-    page is mapped: cheap), else on a thread of its own, off the load's path."""
+    page is mapped: cheap), else hand it to the unmapping thread, off the load's path."""
+    global _unmapper
     if not state[0]:
         _lib().munmap(addr, size)
         return
-    t = threading.Thread(target=_munmap, args=(addr, size), name="foxhunt-unmap", daemon=True)
     with _unmapping_lock:
+        _pending.append((addr, size))
+        if _unmapper is not None:
+            return
+        _unmapper = t = threading.Thread(target=_unmap_pending, name="foxhunt-unmap", daemon=True)
+        _unmapping.difference_update([u for u in _unmapping if not u.is_alive()])   # joined by nobody
         _unmapping.add(t)
     t.start()
+
+
+def _unmap_pending() -> None:
+    """Unmap the used mappings handed over, one after the other, until none is left.
+
+    A munmap holds the process's memory-map lock for writing while it undoes every page, so any
+    other thread that maps memory meanwhile (a new thread's stack, Python's or malloc's arenas)
+    waits for all of it: after a TP=8 column shard on the H200 machine, 30 ms of the load's
+    caller. The pages are therefore dropped first (MADV_DONTNEED, which takes that lock for
+    reading) ``DROP_BYTES`` at a time, and the munmap that follows has nothing left to undo.
+    One thread for them all: starting one per mapping maps a stack each time, which waits for
+    the munmap under way."""
+    global _unmapper
+    lib = _lib()
+    while True:
+        with _unmapping_lock:
+            if not _pending:
+                _unmapper = None   # stays in _unmapping until seen dead: wait_unmapped joins it
+                return
+            addr, size = _pending.popleft()
+        if DONTNEED is not None:
+            for off in range(0, size, DROP_BYTES):
+                lib.madvise(addr + off, min(DROP_BYTES, size - off), DONTNEED)
+        lib.munmap(addr, size)
 
 
 def wait_unmapped(timeout: float | None = None) -> bool:
@@ -186,4 +217,7 @@ def wait_unmapped(timeout: float | None = None) -> bool:
         threads = list(_unmapping)
     for t in threads:
         t.join(timeout)
+    with _unmapping_lock:
+        _unmapping.difference_update([t for t in threads if not t.is_alive()])
     return not any(t.is_alive() for t in threads)
+

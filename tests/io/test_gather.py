@@ -215,6 +215,7 @@ def test_close_returns_while_a_used_mapping_is_unmapped(wide, monkeypatch):
 
     class Lib:
         munmap = staticmethod(slow_munmap)
+        madvise = staticmethod(real.madvise)
     try:
         m = FileMap(fd, os.fstat(fd).st_size)
         m.rows(column_run(x, 0, 4))
@@ -230,6 +231,53 @@ def test_close_returns_while_a_used_mapping_is_unmapped(wide, monkeypatch):
     finally:
         release.set()
         os.close(fd)
+
+
+def test_one_thread_drops_the_pages_then_unmaps_each_used_mapping(wide, monkeypatch):
+    """Several used mappings closed together: one unmapping thread takes them in turn; each has
+    its pages dropped (MADV_DONTNEED, piece by piece: the map lock taken for reading) before its
+    munmap, so the munmap holds the lock for writing only briefly."""
+    path, x = wide
+    real = mapping._lib()
+    calls, gate = [], threading.Event()
+
+    class Lib:
+        @staticmethod
+        def madvise(addr, size, advice):
+            gate.wait(10)
+            calls.append(("madvise", addr, size, advice))
+            return real.madvise(addr, size, advice)
+
+        @staticmethod
+        def munmap(addr, size):
+            calls.append(("munmap", addr, size))
+            return real.munmap(addr, size)
+    fds = [os.open(path, os.O_RDONLY) for _ in range(3)]
+    try:
+        size = os.fstat(fds[0]).st_size
+        maps = [FileMap(fd, size) for fd in fds]
+        for m in maps:
+            m.rows(column_run(x, 0, 4))
+        monkeypatch.setattr(mapping, "_lib", lambda: Lib)
+        monkeypatch.setattr(mapping, "DROP_BYTES", 64 << 10)
+        for m in maps:
+            m.close()
+        assert len([t for t in threading.enumerate() if t.name == "foxhunt-unmap"]) == 1
+        gate.set()
+        assert mapping.wait_unmapped(30)
+    finally:
+        gate.set()
+        for fd in fds:
+            os.close(fd)
+    unmapped = [c for c in calls if c[0] == "munmap"]
+    assert len(unmapped) == 3 and all(n == size for _, _, n in unmapped)
+    for _, addr, _ in unmapped:
+        mine = [c for c in calls if c[1] >= addr and c[1] < addr + size]
+        assert mine[-1][0] == "munmap"
+        drops = [(a - addr, n) for kind, a, n, *_ in mine if kind == "madvise"]
+        assert drops == [(off, min(64 << 10, size - off)) for off in range(0, size, 64 << 10)]
+        assert all(c[3] == mapping.DONTNEED for c in mine if c[0] == "madvise")
+    assert os.fspath(path) not in mapped_paths()
 
 
 def test_a_span_larger_than_its_scratch_is_refused(wide):

@@ -18,7 +18,7 @@ from ..cuda import runtime as cudart
 from ..cuda.devices import CPU, Device, check_device
 from ..errors import FormatError, StoreMismatchError
 from ..format.dtypes import host_shape
-from ..format.plan import LoadPlan, Selection, plan_load
+from ..format.plan import LoadPlan, Selection, plan_load, small_chunks_last
 from ..format.tp import TPSlice, indices_for, shard_shape
 from ..io import cache_policy, pagecache
 from ..io.checkpoint import Checkpoint, Names, open_checkpoint, select
@@ -188,11 +188,14 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
     chosen = select(ck, names)
     devices, fw = where.for_names(chosen)
     indices = indices_for(ck, chosen, shard)
-    gathered = gathering_files(ck, s, strided_files(ck, indices))
-    plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices), s, verify, devices, gathered)
-    if where.device_map is not None:
-        plan = interleave_by_device(plan, devices)
-    sources = open_sources(ck, s, gathered, needs=file_bytes(plan, len(ck.paths)))
+    with pagecache.residency_snapshot():
+        gathered = gathering_files(ck, s, strided_files(ck, indices))
+        plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices), s, verify, devices, gathered)
+        if where.device_map is not None:
+            plan = interleave_by_device(plan, devices)
+        elif not background and verifier is None:
+            plan = small_chunks_last(plan, s.chunk_bytes)
+        sources = open_sources(ck, s, gathered, needs=file_bytes(plan, len(ck.paths)))
     try:
         load = LoadInFlight(plan, sources, Destinations.allocate(fw, plan, devices), s, check=verifier,
                             progress=progress_bar(plan.nbytes, "load", progress), per_dest=background)
@@ -267,10 +270,13 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
             fw.settle(b.device)
             settled.add((type(fw), b.device))
     indices = indices_for(ck, chosen, shard)
-    gathered = gathering_files(ck, s, strided_files(ck, indices))
-    plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices), s, verify,
-                                        [b.device for b in buffers], gathered)
-    sources = open_sources(ck, s, gathered, needs=file_bytes(plan, len(ck.paths)))
+    with pagecache.residency_snapshot():
+        gathered = gathering_files(ck, s, strided_files(ck, indices))
+        plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices), s, verify,
+                                            [b.device for b in buffers], gathered)
+        if verifier is None:
+            plan = small_chunks_last(plan, s.chunk_bytes)
+        sources = open_sources(ck, s, gathered, needs=file_bytes(plan, len(ck.paths)))
     try:
         LoadInFlight(plan, sources, Destinations.fixed(buffers, [store[n] for n in chosen]), s,
                      check=verifier, progress=progress_bar(plan.nbytes, "load", progress)).finish()

@@ -21,7 +21,8 @@ from .dtypes import DType
 from .header import TensorInfo
 from .indexing import Run, slice_runs
 
-__all__ = ["Run", "Chunk", "Destination", "LoadPlan", "Selection", "split_run", "plan_load", "plan_save"]
+__all__ = ["Run", "Chunk", "Destination", "LoadPlan", "Selection", "split_run", "plan_load", "plan_save",
+           "small_chunks_last"]
 
 
 class Chunk(NamedTuple):
@@ -127,6 +128,21 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
             chunks.extend(Chunk(s.file, i, piece) for piece in split_run(r, chunk_bytes, granule=g, packed=packed))
         counts.append(len(chunks) - n)
     return LoadPlan(tuple(dests), tuple(chunks), tuple(counts))
+
+
+def small_chunks_last(plan: LoadPlan, chunk_bytes: int) -> LoadPlan:
+    """The plan with its chunks of less than half ``chunk_bytes`` (of span) moved to the end,
+    both groups kept in their order.
+
+    The workers take chunks in plan order; the last ones decide when the load ends. A TP rank's
+    plan mixes 8 MiB pieces with small slices (k/v projections, norms): ending on the small ones
+    leaves the workers finishing together instead of some idling while others copy a last big
+    piece. For loads awaited whole: a caller waiting for single tensors wants plan order."""
+    small = [c for c in plan.chunks if c.run.span < chunk_bytes // 2]
+    if not small or len(small) == len(plan.chunks):
+        return plan
+    big = [c for c in plan.chunks if c.run.span >= chunk_bytes // 2]
+    return LoadPlan(plan.destinations, tuple(big + small), plan.chunks_per_dest)
 
 
 def plan_save(sizes: Sequence[int], offsets: Sequence[int], chunk_bytes: int,

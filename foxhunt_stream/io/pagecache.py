@@ -11,6 +11,8 @@ says ``loading(path)`` (the prefetch drops its pacing: the load now waits for th
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import errno
 import mmap
@@ -95,10 +97,35 @@ def advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
 _libc = None
 
 
+_snapshot: contextvars.ContextVar[dict | None] = contextvars.ContextVar("foxhunt_residency", default=None)
+
+
+@contextlib.contextmanager
+def residency_snapshot():
+    """Within the block, each file is sampled once: a load's setup asks about its files several
+    times (read through the cache? gather? cold?), at 0.2-0.3 ms a file on the H200 machine."""
+    token = _snapshot.set({})
+    try:
+        yield
+    finally:
+        _snapshot.reset(token)
+
+
 def resident_fraction(path: str | os.PathLike, samples: int = 64) -> float:
     """Fraction of the file's pages in the page cache, from ``samples`` pages spread evenly
     over it (one mincore call each: O(samples), not O(file size), so it costs well under a
-    millisecond even for a multi-GB shard). ``samples`` >= the page count checks every page."""
+    millisecond even for a multi-GB shard). ``samples`` >= the page count checks every page.
+    Inside ``residency_snapshot`` the first answer for a file is kept."""
+    memo = _snapshot.get()
+    if memo is None:
+        return _sample_residency(path, samples)
+    key = (os.fspath(path), samples)
+    if key not in memo:
+        memo[key] = _sample_residency(path, samples)
+    return memo[key]
+
+
+def _sample_residency(path: str | os.PathLike, samples: int) -> float:
     global _libc
     size = os.path.getsize(path)
     if size == 0:

@@ -177,3 +177,21 @@ def test_the_runner_on_the_cpu(tmp_path):
     assert set(tp["fraction"]) == {"full load", *tp_bench.plans({}).keys(), 'Llama, backend="pread"',
                                    'columns, backend="pread"'}
     assert tp["landed"]["rows (every 2-D tensor along dim 0)"] < tp["landed"]["full load"] / 4
+
+
+def test_the_load_timeline_marks_every_step_of_each_load(tmp_path):
+    """Its own process: it wraps the loader's functions."""
+    import re
+    import subprocess
+    here = os.path.dirname(os.path.abspath(common.__file__))
+    out = subprocess.run([sys.executable, os.path.join(here, "load_timeline.py"), str(tmp_path / "ck"),
+                          "--size", "16MiB", "--device", "cpu", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    cases = re.split(r"^== ", out, flags=re.M)[1:]
+    assert [c.split(":")[0] for c in cases] == ["full", "rows", "Llama", "columns"]
+    for case in cases:
+        at = {m[0]: (float(m[1]), float(m[2])) for m in
+              re.findall(r"^   (\S.*?)\s+first\s+(\S+)\s+median\s+\S+\s+last\s+(\S+)", case, flags=re.M)}
+        assert {"open_checkpoint", "plan_selections", "open_sources", "worker start", "worker end",
+                "returned"} <= set(at)
+        assert at["open_sources"][0] <= at["worker start"][0] <= at["worker end"][1] <= at["returned"][0]

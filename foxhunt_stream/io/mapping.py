@@ -28,6 +28,8 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Iterator
 
+from .libc import MAP_FAILED, libc
+
 if TYPE_CHECKING:   # numpy is imported where it is used: a prefetch starts its code readers first
     import numpy as np
 
@@ -135,28 +137,13 @@ class FileMap:
         self._buf = None
 
 
-_libc = None
-
-
-def _lib():
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(None, use_errno=True)
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                             ctypes.c_int64]
-        lib.munmap.restype = ctypes.c_int
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        lib.madvise.restype = ctypes.c_int
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc = lib
-    return _libc
+_lib = libc   # the calls go through this name (tests stand in for libc here)
 
 
 def _libc_map(fd: int, size: int) -> int:
     """mmap(PROT_READ, MAP_SHARED) of the whole file; OSError when the kernel refuses."""
     addr = _lib().mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr is None or addr == ctypes.c_void_p(-1).value:
+    if addr is None or addr == MAP_FAILED:
         e = ctypes.get_errno()
         raise OSError(e, f"mmap of {size} bytes failed: {os.strerror(e)}")
     return addr

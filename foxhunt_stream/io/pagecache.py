@@ -22,6 +22,8 @@ import threading
 import weakref
 from typing import Protocol
 
+from .libc import MAP_FAILED, libc
+
 _devnull = -2   # not opened yet; -1: sendfile to /dev/null does not work here
 _devnull_rdev = -1
 _devnull_lock = threading.Lock()
@@ -94,7 +96,6 @@ def advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
 
 # ---------------------------------------------------------------- residency
 
-_libc = None
 
 
 _snapshot: contextvars.ContextVar[dict | None] = contextvars.ContextVar("foxhunt_residency", default=None)
@@ -126,29 +127,22 @@ def resident_fraction(path: str | os.PathLike, samples: int = 64) -> float:
 
 
 def _sample_residency(path: str | os.PathLike, samples: int) -> float:
-    global _libc
     size = os.path.getsize(path)
     if size == 0:
         return 1.0
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.mmap.restype = ctypes.c_void_p
-            _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_int, ctypes.c_long]
-            _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lib = libc()
         fd = os.open(os.fspath(path), os.O_RDONLY)
         try:
-            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
+            addr = lib.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, MAP_FAILED):
                 return 1.0
             try:
                 page = mmap.PAGESIZE
                 pages = -(-size // page)
                 if samples >= pages:   # every page: one call over the whole mapping
                     vec = (ctypes.c_ubyte * pages)()
-                    if _libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                    if lib.mincore(ctypes.c_void_p(addr), size, vec) != 0:
                         return 1.0
                     import numpy as np
                     return float((np.frombuffer(vec, np.uint8) & 1).mean())
@@ -156,12 +150,12 @@ def _sample_residency(path: str | os.PathLike, samples: int) -> float:
                 vec = ctypes.c_ubyte()
                 hits = 0
                 for p in picks:
-                    if _libc.mincore(ctypes.c_void_p(addr + p * page), page, ctypes.byref(vec)) != 0:
+                    if lib.mincore(ctypes.c_void_p(addr + p * page), page, ctypes.byref(vec)) != 0:
                         return 1.0
                     hits += vec.value & 1
                 return hits / len(picks)
             finally:
-                _libc.munmap(ctypes.c_void_p(addr), size)
+                lib.munmap(ctypes.c_void_p(addr), size)
         finally:
             os.close(fd)
     except (OSError, AttributeError):

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..settings import WRITE_BACKENDS  # noqa: F401  (the settings table owns the names)
+from .libc import libc
 
 TEMP_MARK = ".foxhunt-tmp."
 MAP_MIN_BYTES = 64 << 20   # "auto" maps files at least this large...
@@ -28,20 +29,14 @@ MAP_MIN_WRITERS = 8        # ...written by at least this many threads (parallel 
 fault_hook: Callable[["AtomicFile", int, int], None] | None = None
 
 
-_libc = None
-
 
 def _fallocate(fd: int, size: int) -> bool:
     """Reserve ``size`` bytes for real (Linux fallocate(2), no glibc emulation by writing zeros).
     False where the filesystem cannot; ENOSPC / EFBIG raise here, before any byte is written."""
-    global _libc
     if size == 0:
         return True
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
-        rc = _libc.fallocate(fd, 0, 0, size)
+        rc = libc().fallocate(fd, 0, 0, size)
     except (AttributeError, OSError):
         return False
     if rc == 0:

@@ -24,6 +24,7 @@ from foxhunt_stream.format.tp import split_bounds
 from foxhunt_stream.io import mapping, pagecache, source
 from foxhunt_stream.io.checkpoint import open_checkpoint, read_header
 from foxhunt_stream.io.source import FileSource, total_bytes_read
+from page_cache_support import evict
 
 PAGE = mapping.PAGE
 
@@ -200,12 +201,7 @@ def test_a_cold_file_keeps_positional_reads_of_whole_spans(column_ckpt, read_log
 
 def test_an_evicted_file_is_read_as_before(column_ckpt, read_log, gathers):
     path, x = column_ckpt
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict(path)
     if pagecache.resident_fraction(path) >= loader.GATHER_RESIDENT:
         pytest.skip("this filesystem keeps the file in memory (tmpfs)")
     got, reads = _reads_of(path, read_log, direct_io="off")     # cold: whole spans, filling the cache

@@ -11,11 +11,9 @@ from hypothesis import strategies as st
 import foxhunt_stream as fs
 from foxhunt_stream.io import source
 from foxhunt_stream.cuda.devices import CPU, Device
-from foxhunt_stream.format.dtypes import DTYPES
-from foxhunt_stream.format.header import TensorInfo
 from foxhunt_stream.engine.placement import device_for, interleave_by_device, parse_device_map, resolve_device_map
-from foxhunt_stream.format.plan import Selection, plan_load
 from gpu_util import write_random_file
+from plan_support import plan_of_sizes
 
 C0, C1 = Device("cuda", 0), Device("cuda", 1)
 
@@ -83,11 +81,7 @@ def test_invalid_device_names_its_key():
 # ---------------------------------------------------------------- interleaving (pure)
 
 def _plan(sizes, chunk=4):
-    sels, pos = [], 0
-    for i, n in enumerate(sizes):
-        sels.append(Selection(0, 0, TensorInfo(f"t{i}", DTYPES["U8"], (n,), pos, pos + n)))
-        pos += n
-    return plan_load(sels, chunk)
+    return plan_of_sizes(sizes, chunk)
 
 
 def test_interleave_alternates_devices_and_keeps_each_devices_order():

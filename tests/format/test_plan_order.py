@@ -9,21 +9,12 @@ import safetensors.numpy as stn
 
 import foxhunt_stream as fs
 from foxhunt_stream.engine import inflight
-from foxhunt_stream.format.dtypes import DTYPES
-from foxhunt_stream.format.header import TensorInfo
-from foxhunt_stream.format.plan import Selection, plan_load, small_chunks_last
-
-
-def _plan(sizes, chunk):
-    sels, pos = [], 0
-    for i, n in enumerate(sizes):
-        sels.append(Selection(0, 0, TensorInfo(f"t{i}", DTYPES["U8"], (n,), pos, pos + n)))
-        pos += n
-    return plan_load(sels, chunk)
+from foxhunt_stream.format.plan import small_chunks_last
+from plan_support import plan_of_sizes
 
 
 def test_small_chunks_go_last_in_their_order_and_big_ones_keep_theirs():
-    plan = _plan([16, 3, 9, 1, 4, 8], chunk=8)   # chunks: 8 8 | 3 | 8 1 | 1 | 4 | 8
+    plan = plan_of_sizes([16, 3, 9, 1, 4, 8], chunk=8)   # chunks: 8 8 | 3 | 8 1 | 1 | 4 | 8
     out = small_chunks_last(plan, 8)
     assert sorted(out.chunks, key=plan.chunks.index) == list(plan.chunks)   # a permutation
     spans = [c.run.span for c in out.chunks]
@@ -34,7 +25,7 @@ def test_small_chunks_go_last_in_their_order_and_big_ones_keep_theirs():
 
 @pytest.mark.parametrize("sizes", [[8, 8, 16], [1, 2, 3], []])
 def test_a_plan_of_one_kind_is_returned_as_is(sizes):
-    plan = _plan(sizes, chunk=8)
+    plan = plan_of_sizes(sizes, chunk=8)
     assert small_chunks_last(plan, 8) is plan
 
 

@@ -4,25 +4,20 @@ rule. Residency is read with ``mincore`` (``pagecache.resident_fraction``, every
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
 import foxhunt_stream as fs
 from foxhunt_stream.io import cache_policy, pagecache
+from page_cache_support import evict
 
 EVERY_PAGE = 1 << 62
 
 
 def _evict(path) -> float:
-    """Drop ``path`` from the page cache (fsync, then POSIX_FADV_DONTNEED); its residency after."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """Drop ``path`` from the page cache; its residency after."""
+    evict(path)
     return pagecache.resident_fraction(path, samples=EVERY_PAGE)
 
 

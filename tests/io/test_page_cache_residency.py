@@ -1,10 +1,10 @@
 """Page-cache residency (direct_io="auto" and prefetch decide with it)."""
 
-import os
 
 import numpy as np
 
 from foxhunt_stream.io import pagecache
+from page_cache_support import evict
 
 
 def test_resident_fraction_sampled_and_exhaustive(tmp_path):
@@ -13,11 +13,6 @@ def test_resident_fraction_sampled_and_exhaustive(tmp_path):
     p.read_bytes()
     assert pagecache.resident_fraction(p) == 1.0
     assert pagecache.resident_fraction(p, samples=1 << 62) == 1.0     # "every page": one call, not 2**62
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict(p)
     assert pagecache.resident_fraction(p) < 0.5
     assert pagecache.resident_fraction(p, samples=1 << 62) < 0.5

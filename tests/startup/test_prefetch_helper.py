@@ -21,6 +21,7 @@ from foxhunt_stream.io import source
 from foxhunt_stream.io.pagecache import resident_fraction
 from foxhunt_stream.startup import helper_process, prefetch as prefetch_mod
 from foxhunt_stream.startup.readers import Piece
+from page_cache_support import evict
 
 
 @pytest.fixture
@@ -31,22 +32,13 @@ def ckpt(tmp_path):
     return str(p)
 
 
-def _evict(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _children_watched() -> list[threading.Thread]:
     """The threads that watch a helper process: each ends once its child has exited."""
     return [t for t in threading.enumerate() if t.name == "foxhunt-prefetch-child"]
 
 
 def test_the_child_reads_every_piece(ckpt, monkeypatch):
-    _evict(ckpt)
+    evict(ckpt)
     here = []
     monkeypatch.setattr(source, "fault_hook", lambda *a: here.append(a))   # this process's reads
     h = fs.prefetch(ckpt, skip_resident=False, helper_process=True, chunk_bytes=1 << 20)
@@ -183,7 +175,7 @@ def test_no_helper_process_here_means_reading_in_this_one(ckpt, monkeypatch):
     """Where no child can be started (an embedded interpreter, a sandbox), the default idle
     prefetch still reads every byte, with threads of this process."""
     monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
-    _evict(ckpt)
+    evict(ckpt)
     h = fs.prefetch(ckpt, skip_resident=False)
     h.wait(timeout=60)
     assert not h.helper_process

@@ -174,6 +174,24 @@ def selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | No
     return out
 
 
+def plan_and_open(ck: Checkpoint, chosen: list[str], shard: TPSlice | None, s: _settings.Settings, verify: bool,
+                  devices: Device | Sequence[Device], *, whole: bool, interleave: bool = False
+                  ) -> tuple[LoadPlan, _settings.Settings, Any, list[FileSource]]:
+    """A load's plan and its open sources, each file's residency sampled once: the files holding
+    column slices gather them where cached. ``interleave``: chunks interleaved by device
+    (device_map); else with ``whole`` (the load is awaited whole, not verified) small chunks last."""
+    indices = indices_for(ck, chosen, shard)
+    with pagecache.residency_snapshot():
+        gathered = gathering_files(ck, s, strided_files(ck, indices))
+        plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices), s, verify, devices, gathered)
+        if interleave:
+            plan = interleave_by_device(plan, devices)
+        elif whole and verifier is None:
+            plan = small_chunks_last(plan, s.chunk_bytes)
+        sources = open_sources(ck, s, gathered, needs=file_bytes(plan, len(ck.paths)))
+    return plan, s, verifier, sources
+
+
 @reopen_if_replaced
 def load_file(source, device: Any = "cpu", framework: str | None = None, names: Names = None, *,
               background: bool = False, shard: TPSlice | None = None, verify: bool = False,
@@ -187,15 +205,8 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
     ck = open_checkpoint(source)
     chosen = select(ck, names)
     devices, fw = where.for_names(chosen)
-    indices = indices_for(ck, chosen, shard)
-    with pagecache.residency_snapshot():
-        gathered = gathering_files(ck, s, strided_files(ck, indices))
-        plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices), s, verify, devices, gathered)
-        if where.device_map is not None:
-            plan = interleave_by_device(plan, devices)
-        elif not background and verifier is None:
-            plan = small_chunks_last(plan, s.chunk_bytes)
-        sources = open_sources(ck, s, gathered, needs=file_bytes(plan, len(ck.paths)))
+    plan, s, verifier, sources = plan_and_open(ck, chosen, shard, s, verify, devices, whole=not background,
+                                               interleave=where.device_map is not None)
     try:
         load = LoadInFlight(plan, sources, Destinations.allocate(fw, plan, devices), s, check=verifier,
                             progress=progress_bar(plan.nbytes, "load", progress), per_dest=background)
@@ -269,14 +280,8 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
         if b.device.is_cuda and (type(fw), b.device) not in settled:
             fw.settle(b.device)
             settled.add((type(fw), b.device))
-    indices = indices_for(ck, chosen, shard)
-    with pagecache.residency_snapshot():
-        gathered = gathering_files(ck, s, strided_files(ck, indices))
-        plan, s, verifier = plan_selections(ck, selections(ck, chosen, indices), s, verify,
-                                            [b.device for b in buffers], gathered)
-        if verifier is None:
-            plan = small_chunks_last(plan, s.chunk_bytes)
-        sources = open_sources(ck, s, gathered, needs=file_bytes(plan, len(ck.paths)))
+    plan, s, verifier, sources = plan_and_open(ck, chosen, shard, s, verify, [b.device for b in buffers],
+                                               whole=True)
     try:
         LoadInFlight(plan, sources, Destinations.fixed(buffers, [store[n] for n in chosen]), s,
                      check=verifier, progress=progress_bar(plan.nbytes, "load", progress)).finish()

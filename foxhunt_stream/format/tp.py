@@ -13,7 +13,10 @@ Sizes that do not divide evenly are split like ``numpy.array_split``: the first
 from __future__ import annotations
 
 import fnmatch
+import functools
 import operator
+import re
+from collections import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence, Union
 
@@ -72,16 +75,46 @@ class TPSlice:
 
     def dim_for(self, name: str) -> int | None:
         """The dim tensor ``name`` is split along, or None to load it whole."""
-        d = self.dim
-        if isinstance(d, Mapping):
-            for pattern, v in d.items():
-                if fnmatch.fnmatchcase(name, pattern):
-                    return _dim_value(v, f"TPSlice.dim[{pattern!r}]")
-            raise ValueError(f"tensor {name!r}: no pattern of TPSlice.dim matches it "
-                             f"({list(d)[:8]}); add '*': None to replicate the rest")
-        if callable(d):
-            return _dim_value(d(name), f"tensor {name!r}: TPSlice.dim({name!r})")
-        return _dim_value(d, "TPSlice.dim")
+        return dim_rule(self)(name)
+
+
+@functools.lru_cache(maxsize=64)
+def glob_matcher(patterns: tuple[str, ...]) -> Callable[[str], int | None]:
+    """A function giving the index of the first of ``patterns`` (``fnmatch.fnmatchcase`` globs)
+    that matches a name, or None: one regex of alternatives, tried in order, so a TP plan's
+    patterns cost one match per tensor instead of one per pattern."""
+    if not patterns:
+        return lambda name: None
+    rx = re.compile("|".join(f"({fnmatch.translate(p)})" for p in patterns))
+    if rx.groups != len(patterns):   # a translation with groups of its own: match one by one
+        each = [re.compile(fnmatch.translate(p)).match for p in patterns]
+        return lambda name: next((i for i, m in enumerate(each) if m(name)), None)
+    match = rx.match
+
+    def first(name: str) -> int | None:
+        m = match(name)
+        return None if m is None else m.lastindex - 1
+    return first
+
+
+def dim_rule(shard: TPSlice) -> Callable[[str], int | None]:
+    """``shard.dim`` as one function of a tensor's name, resolved once for a whole load."""
+    d = shard.dim
+    if isinstance(d, abc.Mapping):
+        patterns, values = tuple(d), list(d.values())
+        first = glob_matcher(patterns)
+
+        def by_pattern(name: str) -> int | None:
+            i = first(name)
+            if i is None:
+                raise ValueError(f"tensor {name!r}: no pattern of TPSlice.dim matches it "
+                                 f"({list(patterns[:8])}); add '*': None to replicate the rest")
+            return _dim_value(values[i], f"TPSlice.dim[{patterns[i]!r}]")
+        return by_pattern
+    if callable(d):
+        return lambda name: _dim_value(d(name), f"tensor {name!r}: TPSlice.dim({name!r})")
+    fixed = _dim_value(d, "TPSlice.dim")
+    return lambda name: fixed
 
 
 Shard = TPSlice   # the earlier name, kept: "shard" also means a file of a sharded checkpoint
@@ -102,7 +135,11 @@ def shard_index(shape: Sequence[int], shard: TPSlice, name: str = "") -> Index |
     """
     if not isinstance(shard, TPSlice):
         raise TypeError(f"shard must be a foxhunt_stream.TPSlice, got {type(shard).__name__}")
-    d = shard.dim_for(name)
+    return index_along(shape, shard.dim_for(name), shard, name)
+
+
+def index_along(shape: Sequence[int], d: int | None, shard: TPSlice, name: str = "") -> Index | None:
+    """``shard_index`` with the tensor's dim ``d`` already known (``dim_rule``)."""
     if d is None:
         return None
     ndim = len(shape)
@@ -128,4 +165,7 @@ def indices_for(ck: "Checkpoint", names: Iterable[str], shard: TPSlice | None) -
     """``{name: index}`` for a load's selections (None when not sharding)."""
     if shard is None:
         return None
-    return {n: shard_index(ck.names[n][1].shape, shard, n) for n in names}
+    if not isinstance(shard, TPSlice):
+        raise TypeError(f"shard must be a foxhunt_stream.TPSlice, got {type(shard).__name__}")
+    rule, entries = dim_rule(shard), ck.names
+    return {n: index_along(entries[n][1].shape, rule(n), shard, n) for n in names}

@@ -1,11 +1,13 @@
 """shard.py: the pure rank -> index rule, checked against numpy.array_split (not against itself)."""
 
+import fnmatch
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from foxhunt_stream import Shard
-from foxhunt_stream.format.tp import shard_index, shard_shape, split_bounds
+from foxhunt_stream.format.tp import glob_matcher, shard_index, shard_shape, split_bounds
 
 
 @settings(max_examples=200, deadline=None)
@@ -46,6 +48,20 @@ def test_mapping_rule_first_match_wins():
     assert sh.dim_for("model.layers.0.o_proj.weight") == 1
     assert sh.dim_for("model.norm.weight") is None
     assert Shard(0, 2, {"*": None, "*.q_proj.weight": 0}).dim_for("a.q_proj.weight") is None
+
+
+_GLOB_PIECES = st.sampled_from(["*", "?", "[0-3]", "[!a]", ".", "a", "b", "q_proj", "layers", "[", "]", "\\", "("])
+
+
+@settings(max_examples=300, deadline=None)
+@given(patterns=st.lists(st.lists(_GLOB_PIECES, max_size=5).map("".join), max_size=6),
+       names=st.lists(st.lists(st.sampled_from(["a", "b", ".", "1", "7", "q_proj", "layers", "[", "(", "\n"]),
+                               max_size=6).map("".join), min_size=1, max_size=6))
+def test_glob_matcher_is_the_first_fnmatchcase_that_matches(patterns, names):
+    first = glob_matcher(tuple(patterns))
+    for name in names:
+        want = next((i for i, p in enumerate(patterns) if fnmatch.fnmatchcase(name, p)), None)
+        assert first(name) == want, (patterns, name)
 
 
 def test_mapping_without_a_match_is_an_error_naming_the_tensor():

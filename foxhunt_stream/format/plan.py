@@ -31,9 +31,8 @@ class Chunk(NamedTuple):
     run: Run
 
 
-@dataclass(frozen=True, slots=True)
-class Destination:
-    """One array the load produces (a tensor or a slice of one)."""
+class Destination(NamedTuple):
+    """One array the load produces (a tensor or a slice of one). A tuple: a plan makes hundreds."""
     name: str
     dtype: DType
     shape: tuple[int, ...]     # logical shape of the result
@@ -68,24 +67,28 @@ def split_run(run: Run, max_bytes: int, granule: int = 1, packed: bool = False) 
     """
     if max_bytes <= 0:
         raise ValueError("chunk size must be positive")
-    if (run.nbytes if packed else run.span) <= max_bytes:
+    src, pitch, width, height, dst = run
+    if (width * height if packed else (height - 1) * pitch + width if height else 0) <= max_bytes:
         return [run]
-    out = []
-    if run.width <= max_bytes and run.height > 1:
+    if width <= max_bytes and height > 1:
         if packed:
-            rows = max_bytes // run.width
+            rows = max_bytes // width
         else:
-            rows = max(1, (max_bytes - run.width) // run.pitch + 1) if run.pitch else run.height
-        for r in range(0, run.height, rows):
-            h = min(rows, run.height - r)
-            out.append(Run(run.src + r * run.pitch, run.pitch if h > 1 else run.width, run.width, h,
-                           run.dst + r * run.width))
+            rows = max(1, (max_bytes - width) // pitch + 1) if pitch else height
+        out = []
+        for r in range(0, height, rows):
+            h = min(rows, height - r)
+            out.append(Run(src + r * pitch, pitch if h > 1 else width, width, h, dst + r * width))
         return out
     piece = max(granule, (max_bytes // granule) * granule)
-    for r in range(run.height):
-        for off in range(0, run.width, piece):
-            w = min(piece, run.width - off)
-            out.append(Run(run.src + r * run.pitch + off, w, w, 1, run.dst + r * run.width + off))
+    if height == 1:   # a whole tensor or a dim-0 slice: the common case, in one comprehension
+        return [Run(src + off, min(piece, width - off), min(piece, width - off), 1, dst + off)
+                for off in range(0, width, piece)]
+    out = []
+    for r in range(height):
+        for off in range(0, width, piece):
+            w = min(piece, width - off)
+            out.append(Run(src + r * pitch + off, w, w, 1, dst + r * width + off))
     return out
 
 
@@ -113,19 +116,26 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
     if granule > chunk_bytes:
         raise ValueError(f"granule ({granule}) larger than the chunk size ({chunk_bytes})")
     dests, chunks, counts = [], [], []
+    add = chunks.append
     granules: dict[int, int] = {}
     for i, s in enumerate(selections):
-        shape, runs = slice_runs(s.info, s.data_start, s.index)
-        dests.append(Destination(s.name or s.info.name, s.info.dtype, shape, sum(r.width * r.height for r in runs)))
+        info, f = s.info, s.file
+        shape, runs = slice_runs(info, s.data_start, s.index)
         n = len(chunks)
-        packed = s.file in gathered
+        packed = f in gathered
+        nbytes = 0
         for r in runs:
-            if (r.nbytes if packed and r.height > 1 else r.span) <= chunk_bytes:   # most runs: no cutting
-                chunks.append(Chunk(s.file, i, r))
+            _, pitch, width, height, _ = r
+            nbytes += width * height
+            # a strided run of a gathering file is cut by the bytes it lands, any other by its span
+            size = width if height == 1 else width * height if packed else (height - 1) * pitch + width
+            if size <= chunk_bytes:   # most runs: no cutting
+                add(Chunk(f, i, r))
                 continue
-            itemsize = s.info.dtype.itemsize
+            itemsize = info.dtype.itemsize
             g = granules.get(itemsize) or granules.setdefault(itemsize, math.lcm(granule, max(1, itemsize)))
-            chunks.extend(Chunk(s.file, i, piece) for piece in split_run(r, chunk_bytes, granule=g, packed=packed))
+            chunks.extend(Chunk(f, i, piece) for piece in split_run(r, chunk_bytes, granule=g, packed=packed))
+        dests.append(Destination(s.name or info.name, info.dtype, shape, nbytes))
         counts.append(len(chunks) - n)
     return LoadPlan(tuple(dests), tuple(chunks), tuple(counts))
 
@@ -138,10 +148,13 @@ def small_chunks_last(plan: LoadPlan, chunk_bytes: int) -> LoadPlan:
     plan mixes 8 MiB pieces with small slices (k/v projections, norms): ending on the small ones
     leaves the workers finishing together instead of some idling while others copy a last big
     piece. For loads awaited whole: a caller waiting for single tensors wants plan order."""
-    small = [c for c in plan.chunks if c.run.span < chunk_bytes // 2]
-    if not small or len(small) == len(plan.chunks):
+    half = chunk_bytes // 2
+    big, small = [], []
+    for c in plan.chunks:
+        _, pitch, width, height, _ = c.run
+        (small if (height - 1) * pitch + width < half else big).append(c)
+    if not small or not big:
         return plan
-    big = [c for c in plan.chunks if c.run.span >= chunk_bytes // 2]
     return LoadPlan(plan.destinations, tuple(big + small), plan.chunks_per_dest)
 
 

@@ -45,8 +45,7 @@ class Destinations:
 
         def make(d: int):
             dest = plan.destinations[d]
-            arr = framework.empty(dest.dtype, dest.shape, per_dest[d], dest.name)
-            return arr, framework.buffer(arr)
+            return framework.new(dest.dtype, dest.shape, per_dest[d], dest.name)
         return cls(len(plan.destinations), per_dest, make)
 
     @classmethod

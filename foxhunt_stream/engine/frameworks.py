@@ -31,6 +31,7 @@ class Framework(Protocol):
     name: str
 
     def empty(self, dtype: DType, shape, device: Device, tensor: str = "") -> Any: ...
+    def new(self, dtype: DType, shape, device: Device, tensor: str = "") -> tuple[Any, Buffer]: ...
     def buffer(self, arr) -> Buffer: ...
     def settle(self, device: Device) -> None: ...
     def owns(self, x) -> bool: ...
@@ -57,6 +58,11 @@ class NumpyFramework:
     def array_dtype(self, dtype: DType) -> np.dtype:
         """The element type of the arrays it makes for ``dtype`` (sub-byte types: raw uint8)."""
         return np.dtype(np.uint8) if dtype.sub_byte else np.dtype(dtype.numpy)
+
+    def new(self, dtype: DType, shape, device: Device, tensor: str = "") -> tuple[np.ndarray, Buffer]:
+        """A new array and its Buffer (a load's destination)."""
+        arr = self.empty(dtype, shape, device, tensor)
+        return arr, self.buffer(arr)
 
     def settle(self, device: Device) -> None:
         """Host arrays: nothing is queued."""
@@ -107,6 +113,13 @@ class CupyFramework:
             except cp.cuda.memory.OutOfMemoryError:
                 raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shp)) * max(1, dtype.itemsize)) from None
 
+    def new(self, dtype: DType, shape, device: Device, tensor: str = ""):
+        """A new array and its Buffer (a load's destination)."""
+        arr = self.empty(dtype, shape, device, tensor)
+        if not device.is_cuda:
+            return arr, NumpyFramework().buffer(arr)
+        return arr, Buffer(device, arr.nbytes, ptr=arr.data.ptr)
+
     def settle(self, device: Device) -> None:
         """Wait for work queued on cupy's current stream of ``device`` (its freed blocks get reused)."""
         cp = cupy()
@@ -149,6 +162,9 @@ def import_torch():
 class TorchFramework:
     name = "pt"
 
+    def __init__(self) -> None:
+        self._devices: dict[Device, Any] = {}   # Device -> torch.device, made once
+
     def _torch(self):
         return import_torch()
 
@@ -163,11 +179,23 @@ class TorchFramework:
 
     def empty(self, dtype: DType, shape, device: Device, tensor: str = ""):
         torch = self._torch()
+        where = self._devices.get(device)
+        if where is None:
+            where = self._devices[device] = torch.device(str(device))
         shp = host_shape(dtype, tuple(shape))
         try:
-            return torch.empty(shp, dtype=self.torch_dtype(dtype), device=str(device))
+            return torch.empty(shp, dtype=self.torch_dtype(dtype), device=where)
         except getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError):
             raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shp)) * max(1, dtype.itemsize)) from None
+
+    def new(self, dtype: DType, shape, device: Device, tensor: str = ""):
+        """A new tensor and its Buffer (a load's destination). A load makes hundreds, the caller
+        holding the GIL for each: the device is resolved once per load and a GPU tensor's Buffer
+        read straight off it (contiguous by construction)."""
+        t = self.empty(dtype, shape, device, tensor)
+        if not device.is_cuda:
+            return t, self.buffer(t)
+        return t, Buffer(device, t.numel() * t.element_size(), ptr=t.data_ptr())
 
     def settle(self, device: Device) -> None:
         """Wait for work queued on torch's current stream of ``device`` (its freed blocks get reused)."""

@@ -15,7 +15,10 @@ plans:
 The full load and the three plans take turns in ``--rounds`` interleaved rounds (the order
 rotated each round) after one untimed run each; medians. The default backend ("auto") gathers
 the column slices of cached files out of a mapping; the Llama and columns plans also run with
-``backend="pread"``, which reads each column slice's whole row span. Reported per plan: the bytes landed
+``backend="pread"``, which reads each column slice's whole row span. The floor (``pipeline_floor``:
+the plan's chunks moved by a bare pipeline into one preallocated buffer, no setup, allocation or
+bookkeeping) of the full load and of the rows plan takes turns with them: what the hardware and a
+Python pipeline give those bytes, against what the load adds. Reported per plan: the bytes landed
 and the bytes read (a gather counts the pages its rows touch), GB/s landed, the median time over
 the full load's (the fraction a rank pays; ideal 1/tp), and, untimed, the wait for the load's
 mappings to be unmapped (on a background thread after the load). With ``--cold`` (root): the
@@ -32,6 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the suite's modules, wherever it runs from
 import common
 from common import GB, Results, median
+from pipeline_floor import Floor
 
 import foxhunt_stream as fs
 from foxhunt_stream.io import mapping
@@ -68,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, dim in plans(shapes).items():
         if not name.startswith("rows"):
             cases[name.split(" (")[0] + ', backend="pread"'] = load(dim, backend="pread")
+    rows_dim = next(dim for name, dim in plans(shapes).items() if name.startswith("rows"))
+    floors = {"full load, floor": Floor(args.ckpt, None, args.device),
+              "rows, floor": Floor(args.ckpt, fs.TPSlice(0, args.tp, rows_dim), args.device)}
+    cases.update(floors)
     common.ce.warm(files)
     landed, read = {}, {}
     for name, fn in cases.items():   # the untimed run: bytes landed and read, pools and caches filled
@@ -75,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         out = fn()
         common.synchronize(args.device)
         read[name] = total_bytes_read() - before
-        landed[name] = common.tensor_bytes(out)
+        landed[name] = common.tensor_bytes(out) if name not in floors else floors[name].nbytes
+        if name in floors:   # raw reads: not counted by the library
+            read[name] = landed[name]
         del out
         mapping.wait_unmapped()
     unmap: dict[str, list[float]] = {k: [] for k in cases}
@@ -97,8 +107,14 @@ def main(argv: list[str] | None = None) -> int:
                      "" if name == "full load" else f"{min(ts) / min(times['full load']):.3f}",
                      f"{median(unmap[name]):.4f}"))
     res.table(rows, right=set(range(1, 8)))
+    floor_full, floor_rows = median(times["full load, floor"]), median(times["rows, floor"])
+    res.say("", f"floor: the rows plan's chunks alone take {floor_rows / floor_full:.3f} of the full load's chunks "
+            f"alone ({floor_rows * 1e3:.1f} of {floor_full * 1e3:.1f} ms); the rows load adds "
+            f"{(median(times[next(k for k in times if k.startswith('rows ('))]) - floor_rows) * 1e3:.1f} ms, "
+            f"the full load {(full - floor_full) * 1e3:.1f} ms")
     res.data.update(tp=args.tp, rounds=args.rounds, seconds=times, landed=landed, read=read, unmap=unmap,
-                    fraction={k: median(v) / full for k, v in times.items()})
+                    fraction={k: median(v) / full for k, v in times.items()},
+                    floor_fraction=floor_rows / floor_full)
     if args.cold and args.device.startswith("cuda"):   # drop_caches: not on a CPU smoke run
         llama = next(dim for name, dim in plans(shapes).items() if name.startswith("Llama"))
         cold = {"Llama, cold": load(llama), 'Llama, cold, backend="pread"': load(llama, backend="pread")}

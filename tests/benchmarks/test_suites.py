@@ -175,8 +175,11 @@ def test_the_runner_on_the_cpu(tmp_path):
     assert load["loads"]["foxhunt_stream load_file"]["seconds"] and load["bytes"] > 0.7 * (16 << 20)
     tp = json.loads((out / "tp.json").read_text())
     assert set(tp["fraction"]) == {"full load", *tp_bench.plans({}).keys(), 'Llama, backend="pread"',
-                                   'columns, backend="pread"'}
+                                   'columns, backend="pread"', "full load, floor", "rows, floor"}
     assert tp["landed"]["rows (every 2-D tensor along dim 0)"] < tp["landed"]["full load"] / 4
+    assert tp["landed"]["rows, floor"] == tp["landed"]["rows (every 2-D tensor along dim 0)"]
+    assert tp["landed"]["full load, floor"] == tp["landed"]["full load"]
+    assert 0 < tp["floor_fraction"] < 1
 
 
 def test_the_load_timeline_marks_every_step_of_each_load(tmp_path):

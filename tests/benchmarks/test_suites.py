@@ -179,7 +179,7 @@ def test_the_runner_on_the_cpu(tmp_path):
     assert tp["landed"]["rows (every 2-D tensor along dim 0)"] < tp["landed"]["full load"] / 4
     assert tp["landed"]["rows, floor"] == tp["landed"]["rows (every 2-D tensor along dim 0)"]
     assert tp["landed"]["full load, floor"] == tp["landed"]["full load"]
-    assert 0 < tp["floor_fraction"] < 1
+    assert math.isfinite(tp["floor_fraction"]) and tp["floor_fraction"] > 0   # a time ratio: no bound on a CPU smoke run
 
 
 def test_the_load_timeline_marks_every_step_of_each_load(tmp_path):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import foxhunt_stream as fs
+from foxhunt_stream.io import mapping
 
 try:   # crc32c is an optional extra (installed by the test extra; maybe absent on the GPU machine)
     import google_crc32c  # noqa: F401
@@ -136,6 +137,7 @@ def test_many_threads_loading_and_saving(tmp_path):
     print(f"\nstress {SECONDS:.0f} s, {THREADS} threads: {sum(total.values())} operations {total}, "
           f"{replaced[0]} contested loads refused as file-replaced")
     assert all(sum(c.values()) > 0 for c in counts)
+    assert mapping.wait_unmapped(30)   # used mappings are unmapped on a thread of their own after a load
     assert [t.name for t in threading.enumerate() if t.name.startswith("foxhunt")] == []
     assert [f for f in os.listdir(tmp_path) if "foxhunt-tmp" in f] == []
     same(fs.load_file(shared, verify=True), refs[0])

@@ -22,7 +22,7 @@ import safetensors.torch as sttorch  # noqa: E402
 
 import foxhunt_stream as fs  # noqa: E402
 from foxhunt_stream.engine import pipeline
-from foxhunt_stream.io import source  # noqa: E402
+from foxhunt_stream.io import mapping, source  # noqa: E402
 from read_gates import range_of, gate_hook  # noqa: E402
 
 fst = fs.torch
@@ -66,6 +66,7 @@ def _no_hook():
 
 
 def _foxhunt_threads() -> set[threading.Thread]:
+    mapping.wait_unmapped(30)   # a used mapping's unmapping outlives its load by design
     return {t for t in threading.enumerate() if t.name.startswith("foxhunt")}
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import foxhunt_stream as fs
-from foxhunt_stream.io import source
+from foxhunt_stream.io import mapping, source
 
 
 @pytest.fixture(autouse=True)
@@ -29,8 +29,12 @@ def checkpoint(tmp_path) -> str:
 
 @pytest.fixture
 def foxhunt_threads():
-    """A function: the threads of this process that foxhunt started and that are still alive."""
-    return lambda: {t for t in threading.enumerate() if t.name.startswith("foxhunt")}
+    """A function: the threads of this process that foxhunt started and that are still alive
+    (after any used mapping's background unmapping, which outlives a load by design)."""
+    def alive():
+        mapping.wait_unmapped(30)
+        return {t for t in threading.enumerate() if t.name.startswith("foxhunt")}
+    return alive
 
 
 @pytest.fixture

@@ -59,8 +59,8 @@ def read_backends(ck: Checkpoint, s: _settings.Settings, needs: Sequence[int] | 
 def file_bytes(plan: LoadPlan, n_files: int) -> list[int]:
     """The bytes a plan reads from each of ``n_files`` files (a strided run: its whole span)."""
     out = [0] * n_files
-    for f, _, (_, pitch, width, height, _) in plan.chunks:
-        out[f] += (height - 1) * pitch + width
+    for c in plan.chunks:
+        out[c.file] += c.run.span
     return out
 
 

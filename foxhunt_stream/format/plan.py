@@ -67,9 +67,9 @@ def split_run(run: Run, max_bytes: int, granule: int = 1, packed: bool = False) 
     """
     if max_bytes <= 0:
         raise ValueError("chunk size must be positive")
-    src, pitch, width, height, dst = run
-    if (width * height if packed else (height - 1) * pitch + width if height else 0) <= max_bytes:
+    if (run.nbytes if packed else run.span) <= max_bytes:
         return [run]
+    src, pitch, width, height, dst = run
     if width <= max_bytes and height > 1:
         if packed:
             rows = max_bytes // width
@@ -128,6 +128,7 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
             _, pitch, width, height, _ = r
             nbytes += width * height
             # a strided run of a gathering file is cut by the bytes it lands, any other by its span
+            # (Run.span written out: this loop runs once per run of every load)
             size = width if height == 1 else width * height if packed else (height - 1) * pitch + width
             if size <= chunk_bytes:   # most runs: no cutting
                 add(Chunk(f, i, r))
@@ -151,8 +152,7 @@ def small_chunks_last(plan: LoadPlan, chunk_bytes: int) -> LoadPlan:
     half = chunk_bytes // 2
     big, small = [], []
     for c in plan.chunks:
-        _, pitch, width, height, _ = c.run
-        (small if (height - 1) * pitch + width < half else big).append(c)
+        (small if c.run.span < half else big).append(c)
     if not small or not big:
         return plan
     return LoadPlan(plan.destinations, tuple(big + small), plan.chunks_per_dest)

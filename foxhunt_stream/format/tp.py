@@ -133,9 +133,13 @@ def shard_index(shape: Sequence[int], shard: TPSlice, name: str = "") -> Index |
     ``(slice(None),) * d + (slice(a, b),)``: everything before ``d`` whole, dims after it
     implied whole, so the planner sees exactly what ``x[:, a:b]`` would give it.
     """
+    _require_tpslice(shard)
+    return index_along(shape, shard.dim_for(name), shard, name)
+
+
+def _require_tpslice(shard) -> None:
     if not isinstance(shard, TPSlice):
         raise TypeError(f"shard must be a foxhunt_stream.TPSlice, got {type(shard).__name__}")
-    return index_along(shape, shard.dim_for(name), shard, name)
 
 
 def index_along(shape: Sequence[int], d: int | None, shard: TPSlice, name: str = "") -> Index | None:
@@ -165,7 +169,6 @@ def indices_for(ck: "Checkpoint", names: Iterable[str], shard: TPSlice | None) -
     """``{name: index}`` for a load's selections (None when not sharding)."""
     if shard is None:
         return None
-    if not isinstance(shard, TPSlice):
-        raise TypeError(f"shard must be a foxhunt_stream.TPSlice, got {type(shard).__name__}")
+    _require_tpslice(shard)
     rule, entries = dim_rule(shard), ck.names
     return {n: index_along(entries[n][1].shape, rule(n), shard, n) for n in names}

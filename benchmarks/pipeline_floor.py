@@ -12,12 +12,21 @@ It measures what the hardware and a Python pipeline give a plan's bytes, so that
 can be split into that floor and what the load adds (setup, allocation, bookkeeping). Only plans
 of contiguous runs (the full load, a dim-0 shard) are supported: strided runs are the library's
 own business (gathers or whole row spans).
+
+``mode="read"`` does the reads alone (into the slots), ``mode="copy"`` the copies alone (of
+whatever the slots hold): what each half of the pipeline costs by itself. Run as a script, it
+times the floor of the full load and of a TP rank's rows plan, whole and by halves, at a few
+chunk sizes, beside the library's own loads of the same plans:
+
+    python benchmarks/pipeline_floor.py CKPT [--tp 8] [--rounds 7] [--out DIR]
+    python benchmarks/pipeline_floor.py /tmp/ck --size 64MiB --device cpu --rounds 1   # a smoke run
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 
 import numpy as np
@@ -28,14 +37,23 @@ from foxhunt_stream.engine import loader
 from foxhunt_stream.io.checkpoint import open_checkpoint, select
 
 SLOTS_PER_THREAD = 2
+MODES = ("both", "read", "copy")
 
 
 class Floor:
-    """One plan's chunks, ready to be moved again and again (``__call__``)."""
+    """One plan's chunks, ready to be moved again and again (``__call__``).
 
-    def __init__(self, ckpt: str, shard, device: str, threads: int = 16, chunk_bytes: int = 8 << 20) -> None:
+    ``dest``: a buffer of at least the plan's bytes to land in (several floors may share one),
+    else one is allocated."""
+
+    def __init__(self, ckpt: str, shard, device: str, threads: int = 16, chunk_bytes: int = 8 << 20,
+                 slots: int = SLOTS_PER_THREAD, mode: str = "both", dest=None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.device = parse_device(device)
         self.threads = threads
+        self.slots_per_thread = slots
+        self.mode = mode
         s = _settings.merge(chunk_bytes=chunk_bytes, backend="pread")
         ck = open_checkpoint(ckpt)
         plan, _, _, sources = loader.plan_and_open(ck, select(ck, None), shard, s, False, self.device, whole=True)
@@ -48,21 +66,25 @@ class Floor:
             total += d.nbytes
         self.nbytes = total
         self.chunks = [(c.file, c.run.src, c.run.width, starts[c.dest] + c.run.dst) for c in plan.chunks]
+        self.paths = list(ck.paths)
         self.fds = [os.open(p, os.O_RDONLY) for p in ck.paths]
-        n = threads * SLOTS_PER_THREAD
+        n = threads * slots
+        if dest is not None and len(dest) < total:
+            raise ValueError(f"the destination holds {len(dest)} bytes, the plan {total}")
         if self.device.is_cuda:
             import torch
+
             from foxhunt_stream.cuda import runtime
             self.rt = runtime.runtime()
             with runtime.on_device(self.device.index):
                 self.slots = [runtime.pinned(chunk_bytes) for _ in range(n)]
                 self.streams = [runtime.Stream() for _ in range(threads)]
                 self.events = [runtime.Event() for _ in range(n)]
-            self.dest = torch.empty(total, dtype=torch.uint8, device=str(self.device))
+            self.dest = dest if dest is not None else torch.empty(total, dtype=torch.uint8, device=str(self.device))
             self.dest_ptr = self.dest.data_ptr()
         else:
             self.slots = [(np.empty(chunk_bytes, np.uint8), None) for _ in range(n)]
-            self.dest = np.empty(total, np.uint8)
+            self.dest = dest if dest is not None else np.empty(total, np.uint8)
 
     def __call__(self) -> None:
         counter = itertools.count()
@@ -86,12 +108,14 @@ class Floor:
         from foxhunt_stream.cuda.devices import use_device
         use_device(self.device.index)
         rt, chunks, fds, base = self.rt, self.chunks, self.fds, self.dest_ptr
-        mine = range(w * SLOTS_PER_THREAD, (w + 1) * SLOTS_PER_THREAD)
+        per = self.slots_per_thread
+        mine = range(w * per, (w + 1) * per)
         views = [memoryview(self.slots[i][0]) for i in mine]
         ptrs = [self.slots[i][0].ctypes.data for i in mine]
         events = [self.events[i].ptr for i in mine]
-        pending = [False] * SLOTS_PER_THREAD
+        pending = [False] * per
         stream = self.streams[w]
+        read, copy = self.mode != "copy", self.mode != "read"
         k = 0
         for i in counter:
             if i >= len(chunks):
@@ -99,28 +123,94 @@ class Floor:
             f, src, n, dst = chunks[i]
             if pending[k]:
                 rt.eventSynchronize(events[k])
-            if os.preadv(fds[f], [views[k][:n]], src) != n:
+            if read and os.preadv(fds[f], [views[k][:n]], src) != n:
                 raise OSError(f"short read at {src} of file {f}")
-            rt.memcpyAsync(base + dst, ptrs[k], n, 1, stream.ptr)
-            rt.eventRecord(events[k], stream.ptr)
-            pending[k] = True
-            k = (k + 1) % SLOTS_PER_THREAD
+            if copy:
+                rt.memcpyAsync(base + dst, ptrs[k], n, 1, stream.ptr)
+                rt.eventRecord(events[k], stream.ptr)
+                pending[k] = True
+            k = (k + 1) % per
         stream.synchronize()
 
     def _host_worker(self, w: int, counter) -> None:
         chunks, fds, dest = self.chunks, self.fds, self.dest
-        slot = self.slots[w * SLOTS_PER_THREAD][0]
+        slot = self.slots[w * self.slots_per_thread][0]
         view = memoryview(slot)
+        read, copy = self.mode != "copy", self.mode != "read"
         for i in counter:
             if i >= len(chunks):
                 break
             f, src, n, dst = chunks[i]
-            if os.preadv(fds[f], [view[:n]], src) != n:
+            if read and os.preadv(fds[f], [view[:n]], src) != n:
                 raise OSError(f"short read at {src} of file {f}")
-            dest[dst:dst + n] = slot[:n]
+            if copy:
+                dest[dst:dst + n] = slot[:n]
 
     def close(self) -> None:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
         self.dest = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The floor of the full load and of rank 0's rows plan (every 2-D tensor along dim 0), whole
+    and by halves (reads alone, copies alone), at 8 and 4 MiB chunks, beside the library's loads
+    of the same plans; interleaved rounds, medians, each as a fraction of the library's full load."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the suite's modules
+    import common
+    from common import GB, Results, median
+
+    import foxhunt_stream as fs
+
+    ap = common.parser(main.__doc__.split(";")[0])
+    ap.add_argument("--tp", type=int, default=8, help="ranks of the rows plan (default 8); rank 0 is measured")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median; default 7)")
+    ap.add_argument("--threads", type=int, default=16, help="floor threads (default 16)")
+    args = ap.parse_args(argv)
+    files = common.ensure_checkpoint(args.ckpt, args.size, args.shards)
+    shapes = {t.name: tuple(t.shape) for p in files for t in fs.read_header(p).tensors}
+    rows = fs.TPSlice(0, args.tp, lambda n: 0 if len(shapes[n]) >= 2 else None)
+    fw = common.framework(args.device)
+    res = Results("floor", args.out)
+    cases: dict = {"full load (library)": lambda: fs.load_file(args.ckpt, device=args.device, framework=fw),
+                   "rows (library)": lambda: fs.load_file(args.ckpt, device=args.device, framework=fw, shard=rows)}
+    floors: dict[str, Floor] = {}
+    dest = None
+    mib = 1 << 20
+    for plan, shard in (("full load", None), ("rows", rows)):
+        for label, kw in (("8 MiB x 2, reads and copies", {"chunk_bytes": 8 * mib}),
+                          ("8 MiB x 2, reads alone", {"chunk_bytes": 8 * mib, "mode": "read"}),
+                          ("8 MiB x 2, copies alone", {"chunk_bytes": 8 * mib, "mode": "copy"}),
+                          ("4 MiB x 2, reads and copies", {"chunk_bytes": 4 * mib})):
+            floor = Floor(args.ckpt, shard, args.device, threads=args.threads, dest=dest, **kw)
+            dest = floor.dest   # the full load's buffer, shared by every floor
+            floors[f"{plan} floor, {label}"] = floor
+    cases.update(floors)
+    common.ce.warm(files)
+    for fn in cases.values():   # untimed: pools, caches and page tables filled
+        out = fn()
+        del out
+    times = common.interleaved(cases, args.rounds, args.device, warmup=False)
+    full = median(times["full load (library)"])
+    nbytes = {k: f.nbytes for k, f in floors.items()}
+    nbytes["full load (library)"] = floors["full load floor, 8 MiB x 2, reads and copies"].nbytes
+    nbytes["rows (library)"] = floors["rows floor, 8 MiB x 2, reads and copies"].nbytes
+    res.say(f"floor: {nbytes['full load (library)'] / GB:.2f} GB checkpoint in {len(files)} files, hot, to "
+            f"{args.device}; rows: rank 0 of TP={args.tp}; {args.threads} floor threads; medians of "
+            f"{args.rounds} interleaved rounds", "")
+    table = [("case", "GB", "median s", "GB/s", "of the full load (library)")]
+    for name, ts in times.items():
+        m = median(ts)
+        table.append((name, f"{nbytes[name] / GB:.3f}", f"{m:.4f}", f"{nbytes[name] / m / GB:.2f}", f"{m / full:.3f}"))
+    res.table(table, right={1, 2, 3, 4})
+    res.data.update(tp=args.tp, rounds=args.rounds, threads=args.threads, seconds=times, nbytes=nbytes,
+                    fraction={k: median(v) / full for k, v in times.items()})
+    res.save()
+    for f in floors.values():
+        f.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

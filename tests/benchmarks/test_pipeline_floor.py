@@ -31,7 +31,7 @@ def test_the_floor_lands_the_rows_plan_byte_for_byte(ckpt, threads):
             floor.dest[:] = 0
             floor()
             pos = 0
-            for n, arr in want.items():
+            for arr in want.values():
                 np.testing.assert_array_equal(floor.dest[pos:pos + arr.nbytes].view(np.float32).reshape(arr.shape), arr)
                 pos += arr.nbytes
             assert pos == floor.nbytes
@@ -43,3 +43,63 @@ def test_the_floor_refuses_strided_plans(ckpt):
     path, _ = ckpt
     with pytest.raises(ValueError, match="contiguous"):
         Floor(str(path), fs.TPSlice(0, 2, lambda n: 1 if n != "norm" else None), "cpu")
+
+
+def test_reads_alone_fill_the_slots_and_leave_the_destination(ckpt):
+    path, _ = ckpt
+    shard = fs.TPSlice(0, 2, lambda n: 0 if n != "norm" else None)
+    floor = Floor(str(path), shard, "cpu", threads=1, chunk_bytes=4096, mode="read")
+    try:
+        floor.dest[:] = 0
+        floor()
+        assert not floor.dest.any()   # nothing copied
+        f, src, n, _ = floor.chunks[-1]   # the one thread read every chunk, the last one last
+        with open(floor.paths[f], "rb") as fh:
+            fh.seek(src)
+            want = np.frombuffer(fh.read(n), np.uint8)
+        np.testing.assert_array_equal(floor.slots[0][0][:n], want)
+    finally:
+        floor.close()
+
+
+def test_copies_alone_land_the_slots_bytes_without_reading(ckpt):
+    path, _ = ckpt
+    floor = Floor(str(path), None, "cpu", threads=1, chunk_bytes=4096, mode="copy")
+    try:
+        floor.slots[0][0][:] = 7
+        floor.dest[:] = 0
+        floor()
+        assert (floor.dest == 7).all()   # every chunk's place got the slot's bytes, none the file's
+    finally:
+        floor.close()
+
+
+def test_floors_share_a_destination_big_enough(ckpt):
+    path, _ = ckpt
+    first = Floor(str(path), None, "cpu")
+    shard = fs.TPSlice(0, 2, lambda n: 0 if n != "norm" else None)
+    second = Floor(str(path), shard, "cpu", dest=first.dest)
+    try:
+        assert second.dest is first.dest
+        with pytest.raises(ValueError, match="holds"):
+            Floor(str(path), None, "cpu", dest=second.dest[:second.nbytes])
+        with pytest.raises(ValueError, match="mode"):
+            Floor(str(path), None, "cpu", mode="write")
+    finally:
+        first.close()
+        second.close()
+
+
+def test_the_script_times_each_floor_beside_the_library(ckpt, tmp_path):
+    import json
+
+    from pipeline_floor import main
+    path, _ = ckpt
+    out = tmp_path / "out"
+    assert main([str(path), "--device", "cpu", "--rounds", "1", "--tp", "2", "--threads", "2", "--out", str(out)]) == 0
+    data = json.loads((out / "floor.json").read_text())
+    assert set(data["fraction"]) == set(data["seconds"]) and len(data["seconds"]) == 10
+    assert data["fraction"]["full load (library)"] == 1
+    full, rows = data["nbytes"]["full load (library)"], data["nbytes"]["rows (library)"]
+    assert rows < full and all(v in (full, rows) for v in data["nbytes"].values())
+    assert all(len(ts) == 1 and ts[0] > 0 for ts in data["seconds"].values())

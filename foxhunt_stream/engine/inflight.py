@@ -88,11 +88,8 @@ class LoadInFlight:
                   else HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)))
             for dev in dests.devices}
         self.started = time.perf_counter()
-        # per-chunk bookkeeping (a lock per chunk) only where someone reads it: a caller waiting
-        # for single destinations, a check told when each has landed, a progress bar
-        self._tracked = per_dest or check is not None or progress is not NO_PROGRESS
-        self.job = Job(plan.chunks, self._work, s.threads, self._on_done if self._tracked else None,
-                       keepalive=keepalive, teardown=self._worker_done)
+        self.job = Job(plan.chunks, self._work, s.threads, self._on_done, keepalive=keepalive,
+                       teardown=self._worker_done)
         log.debug("load: %d tensors, %d bytes, %d chunks, %d threads, chunk %d, staging %d, backends %s",
                   len(plan.destinations), plan.nbytes, len(plan.chunks), s.threads, s.chunk_bytes,
                   s.staging_bytes, sorted({src.backend for src in sources}))
@@ -137,11 +134,7 @@ class LoadInFlight:
 
     def wait_dest(self, d: int) -> None:
         """Block until destination ``d`` has fully landed (its copies complete); without
-        ``per_dest`` the wait may include later chunks of the same workers, and a load that does
-        not track its destinations (none of per_dest, check, progress) waits for all of them."""
-        if not self._tracked:
-            self.finish()
-            return
+        ``per_dest`` the wait may include later chunks of the same workers."""
         with self._landing:
             while not self._landed[d] and not self.job.done():
                 self._landing.wait(0.05)

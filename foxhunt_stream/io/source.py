@@ -21,7 +21,6 @@ unselected bytes are never read.
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
 from typing import TYPE_CHECKING, Callable
@@ -45,30 +44,13 @@ fault_hook: Callable[["FileSource", int, int], int | None] | None = None
 
 # Bytes read by every source of this process. load_file's sources are private and closed when it
 # returns, so tests and benchmarks diff this around a load to see what it read (and did not).
-# A read appends its count (one atomic append, no lock) and the counts are summed when asked for:
-# a lock taken by 16 workers after every read made them queue behind one another whenever the
-# holder lost the GIL inside it (benchmarks/RESULTS.md, "the per-chunk path").
 _total_lock = threading.Lock()
 _total_read = 0
-_uncounted: collections.deque[int] = collections.deque()
-
-
-def _fold(counts: collections.deque[int]) -> int:
-    """Pop and sum what ``counts`` holds now (appends racing with it are left for the next fold)."""
-    n = 0
-    try:
-        while True:
-            n += counts.popleft()
-    except IndexError:
-        return n
 
 
 def total_bytes_read() -> int:
     """Tensor bytes read by all sources of this process so far (headers are not counted)."""
-    global _total_read
-    with _total_lock:
-        _total_read += _fold(_uncounted)
-        return _total_read
+    return _total_read
 
 
 def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -99,8 +81,7 @@ class FileSource:
         self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self.expected_size = expected_size
         self._lock = threading.Lock()
-        self._read = 0
-        self._uncounted: collections.deque[int] = collections.deque()
+        self.bytes_read = 0
         self.map: FileMap | None = None
         if gather:
             self.backend = "auto"
@@ -118,16 +99,11 @@ class FileSource:
         """Whether ``gather`` packs strided runs (the plan cuts them by the bytes they land)."""
         return self.map is not None
 
-    @property
-    def bytes_read(self) -> int:
-        """Tensor bytes this source has read (a gather: the pages its rows touch)."""
-        with self._lock:
-            self._read += _fold(self._uncounted)
-            return self._read
-
     def _count(self, n: int) -> None:
-        self._uncounted.append(n)   # atomic: no lock on the read path
-        _uncounted.append(n)
+        global _total_read
+        with _total_lock:   # one short lock per read: both counters
+            self.bytes_read += n
+            _total_read += n
 
     def size(self) -> int:
         return os.fstat(self.fd).st_size
@@ -266,7 +242,6 @@ class FileSource:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        total_bytes_read()   # fold the process's counts: they do not pile up between loads
 
     def __enter__(self):
         return self

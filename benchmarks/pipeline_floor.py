@@ -27,11 +27,11 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-import threading
 
 import numpy as np
 
 from foxhunt_stream import settings as _settings
+from foxhunt_stream.cli.ceilings import parallel
 from foxhunt_stream.cuda.devices import parse_device
 from foxhunt_stream.engine import loader
 from foxhunt_stream.io.checkpoint import open_checkpoint, select
@@ -88,21 +88,9 @@ class Floor:
 
     def __call__(self) -> None:
         counter = itertools.count()
-        errors: list[BaseException] = []
         work = self._gpu_worker if self.device.is_cuda else self._host_worker
-
-        def run(w: int) -> None:
-            try:
-                work(w, counter)
-            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
-                errors.append(e)
-        threads = [threading.Thread(target=run, args=(w,)) for w in range(self.threads)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        # one item per worker (its slots): the threads share the chunks through ``counter``
+        parallel(range(self.threads), lambda _thread, w: work(w, counter), self.threads)
 
     def _gpu_worker(self, w: int, counter) -> None:
         from foxhunt_stream.cuda.devices import use_device
@@ -188,10 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             floors[f"{plan} floor, {label}"] = floor
     cases.update(floors)
     common.ce.warm(files)
-    for fn in cases.values():   # untimed: pools, caches and page tables filled
-        out = fn()
-        del out
-    times = common.interleaved(cases, args.rounds, args.device, warmup=False)
+    times = common.interleaved(cases, args.rounds, args.device)   # after one untimed run each
     full = median(times["full load (library)"])
     nbytes = {k: f.nbytes for k, f in floors.items()}
     nbytes["full load (library)"] = floors["full load floor, 8 MiB x 2, reads and copies"].nbytes

@@ -88,8 +88,14 @@ class LoadInFlight:
                   else HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)))
             for dev in dests.devices}
         self.started = time.perf_counter()
-        self.job = Job(plan.chunks, self._work, s.threads, self._on_done, keepalive=keepalive,
-                       teardown=self._worker_done)
+        # one GPU and nobody waiting chunk by chunk (for single destinations, a check told as each
+        # lands, a progress bar): each worker runs the target's own loop over the chunks it claims
+        only = next(iter(self._targets.values())) if len(self._targets) == 1 else None
+        tracked = per_dest or check is not None or progress is not NO_PROGRESS
+        self._streamed: CudaTarget | None = only if isinstance(only, CudaTarget) and not tracked else None
+        self.job = Job(plan.chunks, self._work, s.threads, None if self._streamed else self._on_done,
+                       keepalive=keepalive, teardown=self._worker_done,
+                       drain=self._drain_chunks if self._streamed else None)
         log.debug("load: %d tensors, %d bytes, %d chunks, %d threads, chunk %d, staging %d, backends %s",
                   len(plan.destinations), plan.nbytes, len(plan.chunks), s.threads, s.chunk_bytes,
                   s.staging_bytes, sorted({src.backend for src in sources}))
@@ -110,6 +116,9 @@ class LoadInFlight:
         buf = functools.partial(self.dests.buffer, d) if dev.is_cuda else self.dests.buffer(d)
         return self._targets[dev].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect,
                                        track=self.per_dest)
+
+    def _drain_chunks(self, worker: int, chunks) -> None:
+        self._streamed.land_all(worker, chunks, self.sources, self.dests.buffers, self.dests.buffer)
 
     def _worker_done(self, worker: int) -> None:
         for t in self._targets.values():
@@ -134,7 +143,11 @@ class LoadInFlight:
 
     def wait_dest(self, d: int) -> None:
         """Block until destination ``d`` has fully landed (its copies complete); without
-        ``per_dest`` the wait may include later chunks of the same workers."""
+        ``per_dest`` the wait may include later chunks of the same workers, and a load whose
+        workers run the target's own loop (nothing tracked per chunk) waits for all of them."""
+        if self._streamed is not None:
+            self.finish()
+            return
         with self._landing:
             while not self._landed[d] and not self.job.done():
                 self._landing.wait(0.05)

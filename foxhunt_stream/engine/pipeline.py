@@ -1,6 +1,8 @@
 """The pipeline: a few worker threads drain one list of work items, in order, with cancellation.
 
-Loads and saves both run here. The first error cancels the rest (workers stop taking items);
+Loads and saves both run here. Each worker either calls ``work(worker, item)`` per item or, with
+``drain``, runs one loop of its own over the items it claims (a plain load: no Python between
+chunks but the chunk's own steps). The first error cancels the rest (workers stop taking items);
 ``wait`` joins every worker (bounded) and re-raises that error. ``Job`` is the one handle type
 for background work: it keeps its sources, buffers and results alive until it is done.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 
 class Cancelled(Exception):
@@ -22,9 +24,11 @@ class Job:
     def __init__(self, items: Sequence[Any], work: Callable[[int, Any], Any], threads: int,
                  on_done: Callable[[int, Any, Any], None] | None = None, name: str = "foxhunt",
                  keepalive: Any = None, setup: Callable[[int], Any] | None = None,
-                 teardown: Callable[[int], Any] | None = None) -> None:
+                 teardown: Callable[[int], Any] | None = None,
+                 drain: Callable[[int, Iterator[Any]], None] | None = None) -> None:
         self.items = items
         self._work = work
+        self._drain = drain   # instead of work per item: drain(worker, claims) loops over them itself
         self._on_done = on_done
         self._setup = setup
         self._teardown = teardown   # runs on each worker thread as it stops, error or not
@@ -66,6 +70,9 @@ class Job:
         try:
             if self._setup is not None:
                 self._setup(worker)
+            if self._drain is not None:
+                self._drain(worker, self._claims())
+                return
             while not self._cancel.is_set():
                 i = next(self._next)
                 if i >= len(self.items):
@@ -87,9 +94,19 @@ class Job:
             if last:
                 # drop references to the work and its buffers: a finished job must not keep
                 # device memory alive through a reference cycle until the next GC pass
-                self._work = self._on_done = self._setup = self._teardown = None
+                self._work = self._on_done = self._setup = self._teardown = self._drain = None
                 self.keepalive = None
                 self._done.set()
+
+    def _claims(self) -> Iterator[Any]:
+        """The items this worker takes, in list order shared with the others, until the job is
+        cancelled or none are left."""
+        items, cancel = self.items, self._cancel
+        n = len(items)
+        for i in self._next:
+            if i >= n or cancel.is_set():
+                return
+            yield items[i]
 
     def fail(self, error: BaseException) -> None:
         with self._lock:

@@ -13,17 +13,18 @@ the saver's direction (device bytes -> pinned memory, for writing).
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+import os
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from ..cuda import runtime as cudart
 from ..cuda.devices import context, use_device
-from .frameworks import Buffer
-from ..format.plan import Run
+from ..format.plan import Chunk, Run
 from ..io.source import ALIGN, FileSource
+from .frameworks import Buffer
 from .staging import StagingPool, host_pool, pinned_pool
-
 
 H2D = cudart.H2D
 # verify=True: a chunk is read and hashed in pieces of this size. Small pieces are hashed while
@@ -214,6 +215,64 @@ class CudaTarget:
         mine = cudart.Event()
         rt.eventRecord(mine.ptr, ring.stream_ptr)
         return mine
+
+    def land_all(self, worker: int, chunks: Iterable[Chunk], sources: Sequence[FileSource],
+                 buffers: list[Buffer | None], buffer_of: Callable[[int], Buffer]) -> None:
+        """``land`` every chunk of ``chunks`` (a load nobody waits on chunk by chunk), with nothing
+        per contiguous chunk of a ``plain`` source but its steps: wait for the slot, one positional
+        read, one async copy, one event record. Bytes read are counted once per source at the end.
+
+        Per-chunk Python runs under the GIL that every worker shares, and what one worker spends
+        there the others wait for inside their next runtime call; other chunks (strided spans,
+        gathers, O_DIRECT, a test's fault hook) go through ``land``. ``buffers[d]`` is the
+        destination once it exists, ``buffer_of(d)`` makes it (after the chunk's read)."""
+        rt = self._rt
+        ring = self._rings.get(worker) or self._ring(worker)
+        arrays = [slot.array for slot in ring.slots]
+        views = [memoryview(a) for a in arrays]
+        ptrs, events, pending = ring.ptrs, [ev.ptr for ev in ring.events], ring.pending
+        n_slots, stream = len(ring.slots), ring.stream_ptr
+        plain = [src.plain for src in sources]
+        fds = [src.fd for src in sources]
+        counted = [0] * len(sources)
+        preadv = os.preadv
+        k = ring.next
+        try:
+            for chunk in chunks:
+                run, f, d = chunk.run, chunk.file, chunk.dest
+                if run.height != 1 or not plain[f]:
+                    ring.next = k
+                    buf = buffers[d]
+                    self.land(worker, sources[f], run, buf if buf is not None else functools.partial(buffer_of, d))
+                    k = ring.next
+                    continue
+                if pending[k]:
+                    rt.eventSynchronize(events[k])   # the slot's last copy is done: overwrite it
+                pending[k] = True
+                n = run.width
+                try:
+                    got = preadv(fds[f], [views[k][:n]], run.src)
+                except OSError:
+                    got = 0
+                if got != n:   # short or failed: read_into finishes it or says why, naming the file
+                    sources[f].read_into(arrays[k][got:n], run.src + got)
+                counted[f] += got
+                buf = buffers[d]
+                if buf is None:
+                    buf = buffer_of(d)
+                rt.memcpyAsync(buf.ptr + run.dst, ptrs[k], n, H2D, stream)
+                try:
+                    rt.eventRecord(events[k], stream)
+                except BaseException:
+                    ring.stream.synchronize()   # the event cannot stand for the copy: wait for it here
+                    pending[k] = False
+                    raise
+                k = (k + 1) % n_slots
+        finally:
+            ring.next = k
+            for src, n in zip(sources, counted):
+                if n:
+                    src.count(n)
 
     def fetch(self, worker: int, src_ptr: int, nbytes: int):
         """Device bytes -> a pinned slot; returns (slot, view) once the copy is complete."""

@@ -95,11 +95,22 @@ class FileSource:
             raise OSError(f"{self.path}: cannot map the file to {why} ({e}); load it with backend='pread'") from e
 
     @property
+    def plain(self) -> bool:
+        """Whether a contiguous read is one positional read into any buffer and nothing else: no
+        O_DIRECT alignment, no test fault hook, no promotion of freshly cached pages. A caller may
+        then ``os.preadv`` on ``fd`` itself (finishing a short or failed read with ``read_into``,
+        which reports it) and ``count`` the bytes it read."""
+        return (type(self).read_into is FileSource.read_into and self.direct_reads and not self.promote
+                and fault_hook is None)
+
+    @property
     def gathers(self) -> bool:
         """Whether ``gather`` packs strided runs (the plan cuts them by the bytes they land)."""
         return self.map is not None
 
-    def _count(self, n: int) -> None:
+    def count(self, n: int) -> None:
+        """Add ``n`` tensor bytes read to this source's and the process's counts (a caller that
+        reads ``fd`` itself, see ``plain``, counts once for many reads)."""
         global _total_read
         with _total_lock:   # one short lock per read: both counters
             self.bytes_read += n
@@ -154,7 +165,7 @@ class FileSource:
             if n == 0:
                 raise self._short(offset, got, want)
             got += n
-        self._count(want)
+        self.count(want)
         if self.promote:
             self._touch_again(offset, want)
 
@@ -195,7 +206,7 @@ class FileSource:
         if not copy:   # the load that follows reads them at the hot rate (``promote``)
             self._touch_again(offset, length)
         if count:
-            self._count(length)
+            self.count(length)
 
     def read_span(self, offset: int, length: int, scratch: np.ndarray) -> np.ndarray:
         """The bytes ``[offset, offset+length)`` as a view, read into ``scratch`` if needed."""
@@ -219,7 +230,7 @@ class FileSource:
             return False
         self._check_mapped(run.src, run.span, page_extents(run) if fault_hook is not None else ())
         out[:run.nbytes].reshape(run.height, run.width)[...] = m.rows(run)
-        self._count(touched_bytes(run))
+        self.count(touched_bytes(run))
         return True
 
     def _check_mapped(self, offset: int, length: int, extents) -> None:
@@ -264,7 +275,7 @@ class MmapSource(FileSource):
         self._check_mapped(offset, want, [(offset, want)])
         import numpy as np
         np.copyto(out.reshape(-1), self.map.bytes(offset, want))
-        self._count(want)
+        self.count(want)
 
 
 class DirectSource(FileSource):
@@ -310,7 +321,7 @@ class DirectSource(FileSource):
                 break   # end of file reached inside the last page
         if got < need:
             raise self._short(offset, max(0, got - (offset - lo)), length)
-        self._count(length)
+        self.count(length)
         return buf[offset - lo:offset - lo + length]
 
     def read_into(self, out, offset):

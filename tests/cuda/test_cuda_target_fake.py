@@ -24,6 +24,7 @@ SCRIPT = textwrap.dedent("""
     from foxhunt_stream.io import source
     from foxhunt_stream.engine import targets as target
     from foxhunt_stream.engine.frameworks import Buffer
+    from foxhunt_stream import errors as fs_errors
 
     path = sys.argv[1]
     data = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
@@ -106,6 +107,43 @@ SCRIPT = textwrap.dedent("""
     want = np.concatenate([data[1000 + r * 3000:1000 + r * 3000 + 300] for r in range(12)])
     assert np.array_equal(dev_mem[64:64 + 3600], want) and two_d == []
 
+    # land_all, a worker's own loop over the chunks it claims: contiguous chunks of a plain source
+    # are read, copied and recorded in place, a strided one goes through land, a destination not
+    # made yet is asked for after its chunk's read, and the bytes read are counted once at the end
+    t6 = target.CudaTarget(0, 4096, 2, threads=1)
+    dev_mem[:] = 0
+    made = []
+    before, total_before, copies_before = src.bytes_read, source.total_bytes_read(), cupy.cuda.runtime.copies
+    t6.land_all(0, iter([plan.Chunk(0, 0, r) for r in runs]), [src], [None], lambda d: made.append(d) or buf)
+    t6.release_worker(0)
+    assert np.array_equal(dev_mem[:32768], data[:32768])
+    rows = np.concatenate([data[32768 + r * 512:32768 + r * 512 + 128] for r in range(8)])
+    assert np.array_equal(dev_mem[40000:40000 + 1024], rows)
+    assert made == [0] * len(runs)   # never stored in the list given, so asked each time
+    read = 32768 + runs[-1].span      # the strided run: its whole span (no mapping)
+    assert src.bytes_read - before == read and source.total_bytes_read() - total_before == read
+    assert cupy.cuda.runtime.copies - copies_before == len(runs)
+    assert t6.pool().free_count() == 2
+    # a read that comes back short (the file shorter than its header says) is reported naming the
+    # file, by the source; and so is one a test's fault hook cuts short (that source is not plain)
+    short_path = path + ".short"
+    data[:10000].tofile(short_path)
+    short = source.FileSource(short_path)
+    assert short.plain
+    for hook in (None, lambda s, off, n: n // 2):
+        source.fault_hook = hook
+        try:
+            t6.land_all(0, iter([plan.Chunk(0, 0, plan.Run(8192, 4096, 4096, 1, 0))]), [short], [buf], None)
+        except fs_errors.FormatError as e:
+            assert e.rule == "file-truncated" and short_path in str(e), e
+        else:
+            raise AssertionError("a short read went unreported")
+        finally:
+            source.fault_hook = None
+            t6.release_worker(0)
+    short.close()
+    assert t6.pool().free_count() == 2
+
     # a whole Landing onto the stand-in "GPU": more threads than slots are capped, the data lands,
     # checksums are checked on the way, every slot comes back
     import foxhunt_stream as fs
@@ -124,10 +162,14 @@ SCRIPT = textwrap.dedent("""
         arrays = [np.zeros(tensors[n].shape, np.float32) for n in names]
         bufs = [Buffer(device.Device("cuda", 0), a.nbytes, None, a.ctypes.data) for a in arrays]
         sources = loader.open_sources(ck, s2)
+        before = source.total_bytes_read()
         landing = inflight.LoadInFlight(plan_, sources, destinations.Destinations.fixed(bufs, arrays), s2, check=verifier)
         landing.finish()
         loader.close_all(sources)
         assert landing.job.workers == 3, landing.job.workers
+        # untracked, one GPU: the workers ran the target's own loop (with checksums: chunk by chunk)
+        assert (landing._streamed is None) == verify
+        assert source.total_bytes_read() - before == sum(c.run.span for c in plan_.chunks)
         assert all(np.array_equal(a, tensors[n]) for a, n in zip(arrays, names))
         pool = staging.pinned_pool(0, s2.chunk_bytes + 2 * 4096, s2.n_slots)
         assert pool.free_count() == pool.n_slots

@@ -88,10 +88,10 @@ class LoadInFlight:
                   else HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)))
             for dev in dests.devices}
         self.started = time.perf_counter()
-        # one GPU and nobody waiting chunk by chunk (for single destinations, a check told as each
-        # lands, a progress bar): each worker runs the target's own loop over the chunks it claims
+        # one GPU and nobody waiting chunk by chunk (for single destinations, or a check told as
+        # each lands): each worker runs the target's own loop over the chunks it claims
         only = next(iter(self._targets.values())) if len(self._targets) == 1 else None
-        tracked = per_dest or check is not None or progress is not NO_PROGRESS
+        tracked = per_dest or check is not None
         self._streamed: CudaTarget | None = only if isinstance(only, CudaTarget) and not tracked else None
         self.job = Job(plan.chunks, self._work, s.threads, None if self._streamed else self._on_done,
                        keepalive=keepalive, teardown=self._worker_done,
@@ -118,7 +118,8 @@ class LoadInFlight:
                                        track=self.per_dest)
 
     def _drain_chunks(self, worker: int, chunks) -> None:
-        self._streamed.land_all(worker, chunks, self.sources, self.dests.buffers, self.dests.buffer)
+        self._streamed.land_all(worker, chunks, self.sources, self.dests.buffers, self.dests.buffer,
+                                progress=self.progress.update if self.progress.active else None)
 
     def _worker_done(self, worker: int) -> None:
         for t in self._targets.values():

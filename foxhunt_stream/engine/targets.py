@@ -32,6 +32,9 @@ H2D = cudart.H2D
 # each hand-back costs far more than the cache saves: on the H200 one 3.9 GB shard loaded in
 # 0.388 s with 1 MiB pieces, 0.184 s with 4 MiB and 0.171 s with whole chunks (no checksums: 0.116 s).
 PIECE_BYTES = 64 << 20
+# land_all tells a progress bar of its bytes in steps of this (a bar's lock per chunk is a place
+# where workers queue)
+PROGRESS_BYTES = 256 << 20
 
 
 def read_inspected(source: FileSource, offset: int, length: int, scratch: np.ndarray, inspect) -> np.ndarray:
@@ -217,7 +220,8 @@ class CudaTarget:
         return mine
 
     def land_all(self, worker: int, chunks: Iterable[Chunk], sources: Sequence[FileSource],
-                 buffers: list[Buffer | None], buffer_of: Callable[[int], Buffer]) -> None:
+                 buffers: list[Buffer | None], buffer_of: Callable[[int], Buffer],
+                 progress: Callable[[int], None] | None = None) -> None:
         """``land`` every chunk of ``chunks`` (a load nobody waits on chunk by chunk), with nothing
         per contiguous chunk of a ``plain`` source but its steps: wait for the slot, one positional
         read, one async copy, one event record. Bytes read are counted once per source at the end.
@@ -225,7 +229,8 @@ class CudaTarget:
         Per-chunk Python runs under the GIL that every worker shares, and what one worker spends
         there the others wait for inside their next runtime call; other chunks (strided spans,
         gathers, O_DIRECT, a test's fault hook) go through ``land``. ``buffers[d]`` is the
-        destination once it exists, ``buffer_of(d)`` makes it (after the chunk's read)."""
+        destination once it exists, ``buffer_of(d)`` makes it (after the chunk's read);
+        ``progress(nbytes)`` is told of the bytes queued every ``PROGRESS_BYTES`` or so."""
         rt = self._rt
         ring = self._rings.get(worker) or self._ring(worker)
         arrays = [slot.array for slot in ring.slots]
@@ -235,6 +240,7 @@ class CudaTarget:
         plain = [src.plain for src in sources]
         fds = [src.fd for src in sources]
         counted = [0] * len(sources)
+        untold = 0   # bytes queued since progress was last told
         preadv = os.preadv
         k = ring.next
         try:
@@ -245,6 +251,7 @@ class CudaTarget:
                     buf = buffers[d]
                     self.land(worker, sources[f], run, buf if buf is not None else functools.partial(buffer_of, d))
                     k = ring.next
+                    untold += run.nbytes
                     continue
                 if pending[k]:
                     rt.eventSynchronize(events[k])   # the slot's last copy is done: overwrite it
@@ -268,11 +275,17 @@ class CudaTarget:
                     pending[k] = False
                     raise
                 k = (k + 1) % n_slots
+                untold += n
+                if progress is not None and untold >= PROGRESS_BYTES:
+                    progress(untold)
+                    untold = 0
         finally:
             ring.next = k
             for src, n in zip(sources, counted):
                 if n:
                     src.count(n)
+            if progress is not None and untold:
+                progress(untold)
 
     def fetch(self, worker: int, src_ptr: int, nbytes: int):
         """Device bytes -> a pinned slot; returns (slot, view) once the copy is complete."""

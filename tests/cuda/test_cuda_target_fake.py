@@ -174,6 +174,30 @@ SCRIPT = textwrap.dedent("""
         pool = staging.pinned_pool(0, s2.chunk_bytes + 2 * 4096, s2.n_slots)
         assert pool.free_count() == pool.n_slots
 
+    # a progress bar does not take the load off the workers' own loop: it is told every byte
+    from foxhunt_stream.engine.progress import Progress
+
+    class Bar:
+        n, closed = 0, False
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+    bar = Bar()
+    s = settings.merge(chunk_bytes=4096, staging_bytes=3 * 4096, threads=3)
+    plan_, s2, _ = loader.plan_selections(ck, loader.selections(ck, names), s)
+    arrays = [np.zeros(tensors[n].shape, np.float32) for n in names]
+    bufs = [Buffer(device.Device("cuda", 0), a.nbytes, None, a.ctypes.data) for a in arrays]
+    sources = loader.open_sources(ck, s2)
+    landing = inflight.LoadInFlight(plan_, sources, destinations.Destinations.fixed(bufs, arrays), s2,
+                                    progress=Progress(bar))
+    landing.finish()
+    loader.close_all(sources)
+    assert landing._streamed is not None and bar.n == plan_.nbytes and bar.closed, (bar.n, plan_.nbytes)
+    assert all(np.array_equal(a, tensors[n]) for a, n in zip(arrays, names))
+
     # a column slice of a file in the page cache, the whole way: chunks carry at most a chunk of
     # the slice though their rows span more than a pinned slot holds, and land packed
     x = rng.standard_normal((64, 1000)).astype(np.float32)

@@ -8,7 +8,9 @@ columns), in interleaved rounds: the load's median run, and in it, in millisecon
 call, when each setup step of ``engine.loader`` ended (header, indices, gather choice, plan,
 sources opened), when the workers started and ended (first, median, last), when their chunks
 started and ended, and when the call returned. The steps are timed by wrapping the loader's
-functions, so this measures the library as it runs, plus a few microseconds a chunk.
+functions, so this measures the library as it runs, plus a few microseconds a chunk. A worker
+running its own loop (a plain load to one GPU) is timed by its claims: a chunk starts when it
+is claimed and ends when the next one is.
 """
 
 from __future__ import annotations
@@ -70,7 +72,22 @@ def instrument(marks: Marks) -> None:
             return work(self, worker, chunk)
         finally:
             marks.add("chunk end")
+    claims = pipeline.Job._claims
+
+    def claims_marked(self):
+        # a worker running its own loop (CudaTarget.land_all) claims each chunk here, and has
+        # ended the chunk before when it asks for the next one (or stops)
+        taken = False
+        for item in claims(self):
+            if taken:
+                marks.add("chunk end")
+            marks.add("chunk start")
+            taken = True
+            yield item
+        if taken:
+            marks.add("chunk end")
     pipeline.Job._run = run_marked
+    pipeline.Job._claims = claims_marked
     inflight.LoadInFlight._work = work_marked
 
 

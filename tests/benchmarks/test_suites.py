@@ -198,3 +198,19 @@ def test_the_load_timeline_marks_every_step_of_each_load(tmp_path):
         assert {"open_checkpoint", "plan_selections", "open_sources", "worker start", "worker end",
                 "returned"} <= set(at)
         assert at["open_sources"][0] <= at["worker start"][0] <= at["worker end"][1] <= at["returned"][0]
+
+
+def test_the_load_timeline_marks_the_chunks_of_a_worker_running_its_own_loop():
+    """A plain load to one GPU hands each worker the chunks it claims (Job(drain=)): the
+    timeline marks a chunk's start at its claim and its end at the next claim."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(common.__file__))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import load_timeline as lt\n"
+            "from foxhunt_stream.engine.pipeline import Job\n"
+            "marks = lt.Marks(); lt.instrument(marks)\n"
+            "seen = []\n"
+            "Job(list(range(5)), None, threads=2, drain=lambda w, claims: seen.extend(claims)).start().wait(60)\n"
+            "print(sorted(seen), len(marks.at['chunk start']), len(marks.at['chunk end']), len(marks.at['worker end']))\n")
+    out = subprocess.run([sys.executable, "-c", code, here], capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split("\n")[0]
+    assert out == "[0, 1, 2, 3, 4] 5 5 2", out

@@ -3,6 +3,7 @@ ceilings and the peer loaders, a thread sweep, and what verify=True costs.
 
     python benchmarks/load_bench.py CKPT [--out DIR]                         # suite "load"
     python benchmarks/load_bench.py CKPT --threads 8,12,16,24,32 [--out DIR] # suite "threads"
+    python benchmarks/load_bench.py CKPT --chunks 4MiB,8MiB [--out DIR]      # suite "chunks"
     python benchmarks/load_bench.py CKPT --verify [--out DIR]                # suite "verify"
     python benchmarks/load_bench.py /tmp/ck --size 64MiB --device cpu        # a smoke run on any box
 
@@ -17,6 +18,12 @@ A load's GB/s is tensor bytes / seconds; "x ceiling" divides by the slower of th
 threads: foxhunt_stream's hot load with each thread count, beside the page cache -> pinned read
 with the same threads, in ``--rounds`` interleaved rounds (medians), with the CPU seconds and
 involuntary context switches each load cost: where more threads than CPUs stop paying.
+
+chunks: by chunk size, each with the default two pinned slots per worker (staging = chunk x 2 x
+threads), in ``--rounds`` interleaved rounds in one process (medians): the full hot load and rank 0
+of TP=8 under tp_bench's rows, Llama and columns plans, in seconds and as fractions of the full
+load at the same size. One process, because the machine's speed drifts between processes by as
+much as the sizes differ.
 
 verify: the checkpoint saved once with checksum="xxh3-64" into /dev/shm, then loaded with
 verify off, on (hashed on the GPU where the tensors land) and on as read (hashed on the host),
@@ -189,6 +196,36 @@ def suite_threads(args, files: list[str], res: Results) -> None:
     res.data.update(bytes=nbytes, counts=counts, seconds=times, usage=usage)
 
 
+def suite_chunks(args, files: list[str], res: Results) -> None:
+    from tp_bench import LLAMA_PLAN
+    sizes = [fs.settings.parse_size(x) for x in args.chunks.split(",")]
+    threads = fs.settings.merge().threads
+    nbytes = nbytes_of(files)
+    fw = common.framework(args.device)
+    shapes = {t.name: tuple(t.shape) for p in files for t in fs.read_header(p).tensors}
+    plans = {"full load": None, "rows": lambda n: 0 if len(shapes[n]) >= 2 else None, "Llama plan": LLAMA_PLAN,
+             "columns": lambda n: 1 if len(shapes[n]) >= 2 else None}
+    ce.warm(files)
+
+    def load(chunk: int, dim):
+        shard = None if dim is None else fs.TPSlice(0, 8, dim)
+        return lambda: fs.load_file(args.ckpt, device=args.device, framework=fw, shard=shard,
+                                    chunk_bytes=chunk, staging_bytes=2 * chunk * threads)
+    cases = {f"{plan}, {chunk >> 20} MiB": load(chunk, dim) for chunk in sizes for plan, dim in plans.items()}
+    times = common.interleaved(cases, args.rounds, args.device)
+    res.say(f"hot loads of a {nbytes / GB:.2f} GB checkpoint to {args.device} by chunk size ({threads} threads, "
+            f"2 pinned slots each); rank 0 of TP=8; medians of {args.rounds} interleaved rounds", "")
+    rows = [("chunk", *(f"{plan} s" for plan in plans), *(f"{plan} / full" for plan in list(plans)[1:]),
+             "full GB/s")]
+    for chunk in sizes:
+        t = {plan: median(times[f"{plan}, {chunk >> 20} MiB"]) for plan in plans}
+        rows.append((f"{chunk >> 20} MiB", *(f"{t[plan]:.4f}" for plan in plans),
+                     *(f"{t[plan] / t['full load']:.3f}" for plan in list(plans)[1:]),
+                     f"{nbytes / t['full load'] / GB:.2f}"))
+    res.table(rows, right=set(range(1, len(rows[0]))))
+    res.data.update(bytes=nbytes, chunks=sizes, threads=threads, seconds=times)
+
+
 def suite_verify(args, files: list[str], res: Results) -> None:
     fw = common.framework(args.device)
     dst = os.path.join(args.verify_dir, "foxhunt-bench-verify.safetensors")
@@ -251,13 +288,15 @@ def main(argv: list[str] | None = None) -> int:
                                                               "take 10 s a load)")
     ap.add_argument("--peer-timeout", type=float, default=300, help="seconds per peer process (default 300)")
     ap.add_argument("--threads", default=None, help="thread sweep instead: a comma list, e.g. 8,12,16,24,32")
+    ap.add_argument("--chunks", default=None, help="chunk size sweep instead: a comma list, e.g. 4MiB,8MiB")
     ap.add_argument("--verify", action="store_true", help="the cost of verify=True instead")
     ap.add_argument("--verify-dir", default="/dev/shm", help="where the checksummed copy goes (default /dev/shm)")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of --threads / --verify (default 5)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved rounds of --threads / --chunks / --verify (default 5)")
     args = ap.parse_args(argv)
     files = common.ensure_checkpoint(args.ckpt, args.size, args.shards)
-    suite, run = (("threads", suite_threads) if args.threads else ("verify", suite_verify) if args.verify
-                  else ("load", suite_load))
+    suite, run = (("threads", suite_threads) if args.threads else ("chunks", suite_chunks) if args.chunks
+                  else ("verify", suite_verify) if args.verify else ("load", suite_load))
     res = Results(suite, args.out)
     run(args, files, res)
     res.save()

@@ -206,12 +206,7 @@ class CudaTarget:
             else:
                 rt.memcpy2DAsync(buf.ptr + run.dst, run.width, src, run.pitch, run.width, run.height,
                                  H2D, ring.stream_ptr)
-        try:
-            rt.eventRecord(event.ptr, ring.stream_ptr)
-        except BaseException:
-            ring.stream.synchronize()   # the event cannot stand for the copy: wait for it here
-            ring.pending[k] = False
-            raise
+        self._record(ring, k)
         if not track:
             return event   # re-recorded by this worker's later chunks: waiting on it may over-wait, never under-wait
         use_device(self.index)   # with device_map a worker serves several GPUs: the event's device must be the stream's
@@ -268,12 +263,7 @@ class CudaTarget:
                 if buf is None:
                     buf = buffer_of(d)
                 rt.memcpyAsync(buf.ptr + run.dst, ptrs[k], n, H2D, stream)
-                try:
-                    rt.eventRecord(events[k], stream)
-                except BaseException:
-                    ring.stream.synchronize()   # the event cannot stand for the copy: wait for it here
-                    pending[k] = False
-                    raise
+                self._record(ring, k)
                 k = (k + 1) % n_slots
                 untold += n
                 if progress is not None and untold >= PROGRESS_BYTES:
@@ -286,6 +276,15 @@ class CudaTarget:
                     src.count(n)
             if progress is not None and untold:
                 progress(untold)
+
+    def _record(self, ring: _Ring, k: int) -> None:
+        """Record slot ``k``'s event after the copy just queued from it on the ring's stream."""
+        try:
+            self._rt.eventRecord(ring.events[k].ptr, ring.stream_ptr)
+        except BaseException:
+            ring.stream.synchronize()   # the event cannot stand for the copy: wait for it here
+            ring.pending[k] = False
+            raise
 
     def fetch(self, worker: int, src_ptr: int, nbytes: int):
         """Device bytes -> a pinned slot; returns (slot, view) once the copy is complete."""

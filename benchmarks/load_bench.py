@@ -3,7 +3,7 @@ ceilings and the peer loaders, a thread sweep, and what verify=True costs.
 
     python benchmarks/load_bench.py CKPT [--out DIR]                         # suite "load"
     python benchmarks/load_bench.py CKPT --threads 8,12,16,24,32 [--out DIR] # suite "threads"
-    python benchmarks/load_bench.py CKPT --chunks 4MiB,8MiB [--out DIR]      # suite "chunks"
+    python benchmarks/load_bench.py CKPT --chunks 8MiB,8MiB/4MiB,4MiB [--out DIR]   # suite "chunks"
     python benchmarks/load_bench.py CKPT --verify [--out DIR]                # suite "verify"
     python benchmarks/load_bench.py /tmp/ck --size 64MiB --device cpu        # a smoke run on any box
 
@@ -20,7 +20,7 @@ with the same threads, in ``--rounds`` interleaved rounds (medians), with the CP
 involuntary context switches each load cost: where more threads than CPUs stop paying.
 
 chunks: by chunk size, each with the default two pinned slots per worker (staging = chunk x 2 x
-threads), in ``--rounds`` interleaved rounds in one process (medians): the full hot load and rank 0
+threads); "8MiB/4MiB" is 8 MiB slots with contiguous runs read in 4 MiB pieces (``read_bytes``), in ``--rounds`` interleaved rounds in one process (medians): the full hot load and rank 0
 of TP=8 under tp_bench's rows, Llama and columns plans, in seconds and as fractions of the full
 load at the same size. One process, because the machine's speed drifts between processes by as
 much as the sizes differ. The process holds one pinned pool per GPU and a new size replaces it, so
@@ -197,9 +197,21 @@ def suite_threads(args, files: list[str], res: Results) -> None:
     res.data.update(bytes=nbytes, counts=counts, seconds=times, usage=usage)
 
 
+def _chunk_variant(text: str) -> tuple[int, int]:
+    """"8MiB" (slots and reads of 8 MiB) or "8MiB/4MiB" (8 MiB slots, contiguous reads of 4 MiB)."""
+    slot, _, read = text.partition("/")
+    return fs.settings.parse_size(slot), fs.settings.parse_size(read or slot)
+
+
+def _variant_label(slot: int, read: int) -> str:
+    return f"{slot >> 20} MiB" if read == slot else f"{slot >> 20} MiB, reads {read >> 20} MiB"
+
+
 def suite_chunks(args, files: list[str], res: Results) -> None:
     from tp_bench import LLAMA_PLAN
-    sizes = [fs.settings.parse_size(x) for x in args.chunks.split(",")]
+
+    from foxhunt_stream.io import mapping
+    variants = [_chunk_variant(x) for x in args.chunks.split(",")]
     threads = fs.settings.merge().threads
     nbytes = nbytes_of(files)
     fw = common.framework(args.device)
@@ -208,32 +220,37 @@ def suite_chunks(args, files: list[str], res: Results) -> None:
              "columns": lambda n: 1 if len(shapes[n]) >= 2 else None}
     ce.warm(files)
 
-    def load(chunk: int, dim):
+    def options(slot: int, read: int) -> dict:
+        return dict(chunk_bytes=slot, read_bytes=read, staging_bytes=2 * slot * threads)
+
+    def load(variant, dim):
         shard = None if dim is None else fs.TPSlice(0, 8, dim)
-        return lambda: fs.load_file(args.ckpt, device=args.device, framework=fw, shard=shard,
-                                    chunk_bytes=chunk, staging_bytes=2 * chunk * threads)
-    # the process keeps one pinned pool per GPU and a new size replaces it: each size's loads run
-    # together, after an untimed warmup that pins that size's pool, so no load times the pinning
-    times: dict[str, list[float]] = {f"{plan}, {chunk >> 20} MiB": [] for chunk in sizes for plan in plans}
+        return lambda: fs.load_file(args.ckpt, device=args.device, framework=fw, shard=shard, **options(*variant))
+    # the process keeps one pinned pool per GPU and a new size replaces it: each variant's loads run
+    # together, after an untimed warmup that pins its pool, so no load times the pinning; after each
+    # load, untimed, the wait for its mappings to be unmapped (a gathering plan's), as tp_bench does
+    times: dict[str, list[float]] = {f"{plan}, {_variant_label(*v)}": [] for v in variants for plan in plans}
     for r in range(args.rounds + 1):   # round 0: a warmup round, not kept
-        for chunk in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
-            fs.warmup(args.device, chunk_bytes=chunk, staging_bytes=2 * chunk * threads)
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+            fs.warmup(args.device, **options(*v))
             names = list(plans)
             for plan in names[r % len(names):] + names[:r % len(names)]:
-                seconds = common.timed(load(chunk, plans[plan]), args.device)
+                seconds = common.timed(load(v, plans[plan]), args.device)
+                mapping.wait_unmapped()
                 if r:
-                    times[f"{plan}, {chunk >> 20} MiB"].append(seconds)
+                    times[f"{plan}, {_variant_label(*v)}"].append(seconds)
     res.say(f"hot loads of a {nbytes / GB:.2f} GB checkpoint to {args.device} by chunk size ({threads} threads, "
             f"2 pinned slots each); rank 0 of TP=8; medians of {args.rounds} interleaved rounds", "")
     rows = [("chunk", *(f"{plan} s" for plan in plans), *(f"{plan} / full" for plan in list(plans)[1:]),
              "full GB/s")]
-    for chunk in sizes:
-        t = {plan: median(times[f"{plan}, {chunk >> 20} MiB"]) for plan in plans}
-        rows.append((f"{chunk >> 20} MiB", *(f"{t[plan]:.4f}" for plan in plans),
+    for v in variants:
+        t = {plan: median(times[f"{plan}, {_variant_label(*v)}"]) for plan in plans}
+        rows.append((_variant_label(*v), *(f"{t[plan]:.4f}" for plan in plans),
                      *(f"{t[plan] / t['full load']:.3f}" for plan in list(plans)[1:]),
                      f"{nbytes / t['full load'] / GB:.2f}"))
     res.table(rows, right=set(range(1, len(rows[0]))))
-    res.data.update(bytes=nbytes, chunks=sizes, threads=threads, seconds=times)
+    res.data.update(bytes=nbytes, chunks=[v[0] for v in variants], reads=[v[1] for v in variants], threads=threads,
+                    seconds=times)
 
 
 def suite_verify(args, files: list[str], res: Results) -> None:
@@ -298,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               "take 10 s a load)")
     ap.add_argument("--peer-timeout", type=float, default=300, help="seconds per peer process (default 300)")
     ap.add_argument("--threads", default=None, help="thread sweep instead: a comma list, e.g. 8,12,16,24,32")
-    ap.add_argument("--chunks", default=None, help="chunk size sweep instead: a comma list, e.g. 4MiB,8MiB")
+    ap.add_argument("--chunks", default=None, help="chunk size sweep instead: a comma list of SLOT or SLOT/READ, e.g. 8MiB,8MiB/4MiB,4MiB")
     ap.add_argument("--verify", action="store_true", help="the cost of verify=True instead")
     ap.add_argument("--verify-dir", default="/dev/shm", help="where the checksummed copy goes (default /dev/shm)")
     ap.add_argument("--rounds", type=int, default=5,

@@ -46,15 +46,18 @@ class Floor:
     ``dest``: a buffer of at least the plan's bytes to land in (several floors may share one),
     else one is allocated."""
 
-    def __init__(self, ckpt: str, shard, device: str, threads: int = 16, chunk_bytes: int = 8 << 20,
-                 slots: int = SLOTS_PER_THREAD, mode: str = "both", dest=None) -> None:
+    def __init__(self, ckpt: str, shard, device: str, threads: int = 16, chunk_bytes: int | None = None,
+                 slots: int = SLOTS_PER_THREAD, mode: str = "both", dest=None, read_bytes: int | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.device = parse_device(device)
         self.threads = threads
         self.slots_per_thread = slots
         self.mode = mode
-        s = _settings.merge(chunk_bytes=chunk_bytes, backend="pread")
+        # slots of chunk_bytes, reads of read_bytes (each by default the library's)
+        s = _settings.merge(backend="pread", **{k: v for k, v in (("chunk_bytes", chunk_bytes),
+                                                                   ("read_bytes", read_bytes)) if v is not None})
+        chunk_bytes = s.chunk_bytes
         ck = open_checkpoint(ckpt)
         plan, _, _, sources = loader.plan_and_open(ck, select(ck, None), shard, s, False, self.device, whole=True)
         loader.close_all(sources)
@@ -167,10 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     dest = None
     mib = 1 << 20
     for plan, shard in (("full load", None), ("rows", rows)):
-        for label, kw in (("8 MiB x 2, reads and copies", {"chunk_bytes": 8 * mib}),
-                          ("8 MiB x 2, reads alone", {"chunk_bytes": 8 * mib, "mode": "read"}),
-                          ("8 MiB x 2, copies alone", {"chunk_bytes": 8 * mib, "mode": "copy"}),
-                          ("4 MiB x 2, reads and copies", {"chunk_bytes": 4 * mib})):
+        eight, four = {"chunk_bytes": 8 * mib, "read_bytes": 8 * mib}, {"chunk_bytes": 4 * mib, "read_bytes": 4 * mib}
+        for label, kw in (("8 MiB x 2, reads and copies", eight),
+                          ("8 MiB x 2, reads alone", {**eight, "mode": "read"}),
+                          ("8 MiB x 2, copies alone", {**eight, "mode": "copy"}),
+                          ("4 MiB x 2, reads and copies", four)):
             floor = Floor(args.ckpt, shard, args.device, threads=args.threads, dest=dest, **kw)
             dest = floor.dest   # the full load's buffer, shared by every floor
             floors[f"{plan} floor, {label}"] = floor

@@ -61,7 +61,10 @@ def background_threads(threads: int) -> int:
 class Settings:
     threads: int = 0                 # reader/writer threads; 0 = one per CPU, at most 16 (a background
                                      # load: three quarters of that, see background_threads)
-    chunk_bytes: int = 8 << 20       # bytes per copy through a staging slot (8 MiB: best on the H200 machine)
+    chunk_bytes: int = 8 << 20       # a staging slot: the most one copy moves (a gathered column slice
+                                     # fills it; 8 MiB) and the checksum block
+    read_bytes: int = 4 << 20        # contiguous runs (tensors, row slices) are read and copied in pieces
+                                     # of this much, at most chunk_bytes (4 MiB: best on the H200 machine)
     staging_bytes: int = 256 << 20   # pinned staging per device (slots = staging / chunk; 2 per worker)
     backend: Backend = "auto"        # positional reads, and the column slices of files in the page cache
                                      # gathered out of a mapping (engine.loader.gathering_files)
@@ -83,6 +86,8 @@ class Settings:
             raise OptionError(f"threads must be a non-negative int, got {self.threads!r}")
         if self.chunk_bytes < 4096:
             raise OptionError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+        if self.read_bytes < 4096:
+            raise OptionError(f"read_bytes must be at least 4096, got {self.read_bytes}")
         if self.staging_bytes < self.chunk_bytes:
             raise OptionError(f"staging_bytes ({self.staging_bytes}) must hold at least one chunk ({self.chunk_bytes})")
         if self.backend not in BACKENDS:
@@ -99,8 +104,13 @@ class Settings:
     def n_slots(self) -> int:
         return max(1, self.staging_bytes // self.chunk_bytes)
 
+    @property
+    def read_cut(self) -> int:
+        """The piece a contiguous run is cut into: ``read_bytes``, at most a slot."""
+        return min(self.read_bytes, self.chunk_bytes)
 
-_SIZE_FIELDS = {"chunk_bytes", "staging_bytes"}
+
+_SIZE_FIELDS = {"chunk_bytes", "read_bytes", "staging_bytes"}
 
 
 def _coerce(name: str, value):

@@ -56,6 +56,8 @@ def test_unknown_option_is_type_error_listing_valid_ones_everywhere(ckpt, tmp_pa
     (dict(chunk_bytes=100), "chunk_bytes"),
     (dict(chunk_bytes=-5), "non-negative"),
     (dict(chunk_bytes="1MiB", staging_bytes="512KiB"), "staging_bytes"),
+    (dict(read_bytes=100), "read_bytes"),
+    (dict(read_bytes="a few"), "not a size"),
     (dict(backend="aio"), "pread, mmap, direct"),
     (dict(direct_io="maybe"), "direct_io"),
     (dict(write_backend="aio"), "write_backend"),
@@ -112,8 +114,10 @@ def test_env_overrides_defaults(monkeypatch):
     monkeypatch.setenv("FOXHUNT_CHUNK_BYTES", "1MiB")
     monkeypatch.setenv("FOXHUNT_BACKEND", "mmap")
     monkeypatch.setenv("FOXHUNT_DIRECT_IO", "off")
+    monkeypatch.setenv("FOXHUNT_READ_BYTES", "512KiB")
     s = fresh(settings.merge)
     assert (s.threads, s.chunk_bytes, s.backend, s.direct_io) == (3, 1 << 20, "mmap", "off")
+    assert s.read_bytes == s.read_cut == 512 << 10
     # a per-call option beats the environment
     assert fresh(settings.merge, threads=5, backend="pread").threads == 5
 
@@ -188,3 +192,10 @@ def test_override_beats_env(monkeypatch):
         with settings.override(threads=4):
             return settings.merge().threads
     assert fresh(inner) == 4
+
+
+def test_reads_are_cut_smaller_than_a_slot_and_never_bigger():
+    """Defaults: 8 MiB slots, contiguous reads in 4 MiB pieces; a read never exceeds a slot."""
+    s = settings.Settings()
+    assert (s.chunk_bytes, s.read_bytes, s.read_cut) == (8 << 20, 4 << 20, 4 << 20)
+    assert settings.merge(chunk_bytes="1MiB", staging_bytes="2MiB").read_cut == 1 << 20

@@ -153,7 +153,7 @@ def plan_selections(ck: Checkpoint, sels: list[Selection], s: _settings.Settings
     (``devices``: where each selection lands, which decides verify_on="auto"; ``gathered``: the
     files whose sources will gather strided runs, ``gathering_files``)."""
     if not verify:
-        return plan_load(sels, s.chunk_bytes, gathered=gathered), s, None
+        return plan_load(sels, s.chunk_bytes, gathered=gathered, read_bytes=s.read_cut), s, None
     on: str | list[str] = s.verify_on
     if on == "auto":   # a GPU has memory bandwidth to spare; the host's goes to the reads
         per = [devices] * len(sels) if isinstance(devices, Device) else list(devices)
@@ -162,7 +162,7 @@ def plan_selections(ck: Checkpoint, sels: list[Selection], s: _settings.Settings
     from ..integrity.verifier import Verifier   # imported only by loads that verify
     verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels], on=on)
     s = verifier.settings(s)
-    return plan_load(sels, s.chunk_bytes, granule=verifier.granule, gathered=gathered), s, verifier
+    return plan_load(sels, s.chunk_bytes, granule=verifier.granule, gathered=gathered, read_bytes=s.read_cut), s, verifier
 
 
 def selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | None = None) -> list[Selection]:
@@ -187,7 +187,7 @@ def plan_and_open(ck: Checkpoint, chosen: list[str], shard: TPSlice | None, s: _
         if interleave:
             plan = interleave_by_device(plan, devices)
         elif whole and verifier is None:
-            plan = small_chunks_last(plan, s.chunk_bytes)
+            plan = small_chunks_last(plan, s.read_cut)
         sources = open_sources(ck, s, gathered, needs=file_bytes(plan, len(ck.paths)))
     return plan, s, verifier, sources
 

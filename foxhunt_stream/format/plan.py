@@ -103,18 +103,20 @@ class Selection:
 
 
 def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 1,
-              gathered: Collection[int] = ()) -> LoadPlan:
+              gathered: Collection[int] = (), read_bytes: int | None = None) -> LoadPlan:
     """Destinations and chunks for the selections, chunks in selection order.
 
     A tensor cut into pieces is cut at multiples of ``granule`` (and of its itemsize) from its
     start: with checksum blocks as the granule, every chunk holds whole blocks (see integrity).
     ``gathered``: the files whose sources gather strided runs row by row. Their strided runs are
     cut by the bytes that land, so a chunk of a TP=8 column slice carries ``chunk_bytes`` of the
-    slice rather than of the rows it crosses; every other run is cut by the span it reads, which
-    must fit a staging slot.
+    slice rather than of the rows it crosses; every other run is cut by the span it reads into
+    pieces of ``read_bytes`` (default and at most ``chunk_bytes``, a staging slot; never below
+    the granule). Gathers pay per chunk, positional reads pay for a bigger ring of slots.
     """
     if granule > chunk_bytes:
         raise ValueError(f"granule ({granule}) larger than the chunk size ({chunk_bytes})")
+    cut = chunk_bytes if read_bytes is None else max(granule, min(read_bytes, chunk_bytes))
     dests, chunks, counts = [], [], []
     add = chunks.append
     granules: dict[int, int] = {}
@@ -129,13 +131,15 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
             nbytes += width * height
             # a strided run of a gathering file is cut by the bytes it lands, any other by its span
             # (Run.span written out: this loop runs once per run of every load)
-            size = width if height == 1 else width * height if packed else (height - 1) * pitch + width
-            if size <= chunk_bytes:   # most runs: no cutting
+            gather = packed and height > 1
+            size = width if height == 1 else width * height if gather else (height - 1) * pitch + width
+            most = chunk_bytes if gather else cut
+            if size <= most:   # most runs: no cutting
                 add(Chunk(f, i, r))
                 continue
             itemsize = info.dtype.itemsize
             g = granules.get(itemsize) or granules.setdefault(itemsize, math.lcm(granule, max(1, itemsize)))
-            chunks.extend(Chunk(f, i, piece) for piece in split_run(r, chunk_bytes, granule=g, packed=packed))
+            chunks.extend(Chunk(f, i, piece) for piece in split_run(r, most, granule=g, packed=gather))
         dests.append(Destination(s.name or info.name, info.dtype, shape, nbytes))
         counts.append(len(chunks) - n)
     return LoadPlan(tuple(dests), tuple(chunks), tuple(counts))

@@ -221,12 +221,12 @@ def test_the_chunk_size_sweep_times_every_plan_at_every_size_in_one_process(tmp_
     here = os.path.dirname(os.path.abspath(common.__file__))
     out = tmp_path / "out"
     subprocess.run([sys.executable, os.path.join(here, "load_bench.py"), str(tmp_path / "ck"), "--size", "16MiB",
-                    "--device", "cpu", "--chunks", "1MiB,2MiB", "--rounds", "2", "--out", str(out)],
+                    "--device", "cpu", "--chunks", "1MiB,2MiB/1MiB", "--rounds", "2", "--out", str(out)],
                    capture_output=True, text=True, timeout=300, check=True)
     data = json.loads((out / "chunks.json").read_text())
-    assert data["chunks"] == [1 << 20, 2 << 20]
-    assert set(data["seconds"]) == {f"{plan}, {mib} MiB" for mib in (1, 2)
+    assert data["chunks"] == [1 << 20, 2 << 20] and data["reads"] == [1 << 20, 1 << 20]
+    assert set(data["seconds"]) == {f"{plan}, {label}" for label in ("1 MiB", "2 MiB, reads 1 MiB")
                                     for plan in ("full load", "rows", "Llama plan", "columns")}
     assert all(len(ts) == 2 for ts in data["seconds"].values())
     table = (out / "chunks.txt").read_text()
-    assert "1 MiB" in table and "2 MiB" in table and "rows / full" in table
+    assert "1 MiB" in table and "2 MiB, reads 1 MiB" in table and "rows / full" in table

@@ -312,3 +312,26 @@ def test_a_failing_gather_fails_the_load_cleanly_and_the_next_one_works(in_cache
     monkeypatch.setattr(source, "fault_hook", None)
     out = fs.load_file(path, shard=fs.TPSlice(1, 4, {"x": 1, "*": None}), chunk_bytes=4096, threads=2)
     np.testing.assert_array_equal(out["x"], x[:, 1024:2048])
+
+
+def test_a_load_reads_in_read_bytes_and_gathers_whole_slots(in_cache, tmp_path, monkeypatch):
+    """The loader cuts contiguous reads by read_bytes and gathered column slices by chunk_bytes."""
+    from foxhunt_stream.engine import inflight
+    seen = []
+    real = inflight.Job
+
+    def job(items, *a, **k):
+        seen.append(list(items))
+        return real(items, *a, **k)
+    monkeypatch.setattr(inflight, "Job", job)
+    x = np.random.default_rng(5).standard_normal((256, 512)).astype(np.float32)   # 2 KiB rows
+    path = save(tmp_path / "t.safetensors", {"a": x, "b": x + 1})
+    out = fs.load_file(path, shard=fs.TPSlice(0, 2, {"a": 0, "b": 1}), chunk_bytes="64KiB",
+                       staging_bytes="256KiB", read_bytes="16KiB", threads=2)
+    np.testing.assert_array_equal(out["a"], x[:128])
+    np.testing.assert_array_equal(out["b"], (x + 1)[:, :256])
+    (chunks,) = seen
+    a = [c.run for c in chunks if c.dest == 0]
+    b = [c.run for c in chunks if c.dest == 1]
+    assert [r.span for r in a] == [16 << 10] * 16          # 256 KiB of rows in 16 KiB reads
+    assert [r.nbytes for r in b] == [64 << 10] * 4         # 256 KiB of columns gathered in 4 slots

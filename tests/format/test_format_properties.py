@@ -319,6 +319,28 @@ def test_a_packed_cut_carries_a_chunk_of_the_slice_not_of_the_span():
     assert max(p.nbytes for p in by_slice) <= chunk and [p.height for p in by_slice] == [2340, 1756]
 
 
+def test_reads_are_cut_by_read_bytes_and_gathers_by_the_slot():
+    """A whole tensor and a row slice are read in pieces of ``read_bytes``; a column slice of a
+    gathering file fills whole slots (``chunk_bytes`` of landed bytes); one of a file read with
+    positional reads is cut by its span, like any read. Llama-3-8B's down_proj, bf16."""
+    info = TensorInfo("down", DTYPES["BF16"], (4096, 14336), 0, 4096 * 14336 * 2)
+    slot, read = 8 << 20, 4 << 20
+    whole = plan_load([Selection(0, 0, info)], slot, read_bytes=read)
+    assert [c.run.span for c in whole.chunks] == [read] * 28
+    rows = plan_load([Selection(0, 0, info, (slice(0, 512),))], slot, read_bytes=read)
+    assert [c.run.span for c in rows.chunks] == [read] * 3 + [(512 * 28672) - 3 * read]
+    cols = (slice(None), slice(0, 1792))
+    gathered = plan_load([Selection(0, 0, info, cols)], slot, gathered={0}, read_bytes=read)
+    assert [c.run.height for c in gathered.chunks] == [2340, 1756]   # as with no read_bytes at all
+    assert gathered.chunks == plan_load([Selection(0, 0, info, cols)], slot, gathered={0}).chunks
+    spans = plan_load([Selection(0, 0, info, cols)], slot, read_bytes=read)
+    assert max(c.run.span for c in spans.chunks) <= read and len(spans.chunks) == 28
+    # never above a slot, never below the granule (checksum blocks keep whole blocks per chunk)
+    assert plan_load([Selection(0, 0, info)], slot, read_bytes=4 * slot).chunks == plan_load(
+        [Selection(0, 0, info)], slot).chunks
+    assert {c.run.span for c in plan_load([Selection(0, 0, info)], slot, granule=slot, read_bytes=read).chunks} == {slot}
+
+
 def test_split_run_granule_wins_over_a_smaller_chunk():
     """A chunk smaller than one element cannot be honoured: pieces are one granule wide."""
     pieces = split_run(Run(0, 16, 16, 1, 0), 3, granule=8)
@@ -348,6 +370,11 @@ def test_plan_load_chunks_reassemble_the_slice(shape, data):
     assert all(c.run.nbytes <= chunk and (c.run.height > 1 or c.run.span <= chunk) for c in gathered.chunks)
     assert len(gathered.chunks) <= len(plan.chunks)
     got, hits = _copy([c.run for c in gathered.chunks], src, size)
+    assert got == want and (hits == 1).all()
+    read = data.draw(st.integers(2, chunk))   # reads cut smaller than a slot, gathers not
+    cut = plan_load([Selection(0, N_LEN + 24, info, idx)], chunk, gathered={0}, read_bytes=read)
+    assert all(c.run.nbytes <= chunk if c.run.height > 1 else c.run.span <= read for c in cut.chunks)
+    got, hits = _copy([c.run for c in cut.chunks], src, size)
     assert got == want and (hits == 1).all()
 
 

@@ -20,9 +20,10 @@ with the same threads, in ``--rounds`` interleaved rounds (medians), with the CP
 involuntary context switches each load cost: where more threads than CPUs stop paying.
 
 chunks: by chunk size, each with the default two pinned slots per worker (staging = chunk x 2 x
-threads); "8MiB/4MiB" is 8 MiB slots with contiguous runs read in 4 MiB pieces (``read_bytes``), in ``--rounds`` interleaved rounds in one process (medians): the full hot load and rank 0
-of TP=8 under tp_bench's rows, Llama and columns plans, in seconds and as fractions of the full
-load at the same size. One process, because the machine's speed drifts between processes by as
+threads); "8MiB/4MiB" is 8 MiB slots with contiguous runs read in 4 MiB pieces (``read_bytes``),
+in ``--rounds`` interleaved rounds in one process (medians): the full hot load and rank 0 of TP=8
+under tp_bench's rows, Llama and columns plans, in seconds and as fractions of the full load at
+the same size. One process, because the machine's speed drifts between processes by as
 much as the sizes differ. The process holds one pinned pool per GPU and a new size replaces it, so
 within a round each size's loads run together after an untimed ``fs.warmup`` that pins its pool.
 
@@ -105,7 +106,8 @@ def suite_load(args, files: list[str], res: Results) -> None:
     ours = [common.timed(load, args.device) for _ in range(args.reps)]
     first_tensor = [time_to_first_tensor(args.ckpt, args.device, fw) for _ in range(args.reps)]
     rows = [("foxhunt_stream, first load in the process", [first], ""),
-            ("foxhunt_stream load_file", ours, f"defaults: {s.threads} threads, {s.chunk_bytes >> 20} MiB chunks")]
+            ("foxhunt_stream load_file", ours,
+             f"defaults: {s.threads} threads, {s.chunk_bytes >> 20} MiB slots, reads of {s.read_cut >> 20} MiB")]
     for name in peer_names(args.peers):
         env = dict(os.environ, INSTANTTENSOR_DIRECT_IO="0") if name.endswith("buffered") else None
         r = common.run_child([__file__, "peer", name, args.ckpt, "--device", args.device,
@@ -315,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                                                               "take 10 s a load)")
     ap.add_argument("--peer-timeout", type=float, default=300, help="seconds per peer process (default 300)")
     ap.add_argument("--threads", default=None, help="thread sweep instead: a comma list, e.g. 8,12,16,24,32")
-    ap.add_argument("--chunks", default=None, help="chunk size sweep instead: a comma list of SLOT or SLOT/READ, e.g. 8MiB,8MiB/4MiB,4MiB")
+    ap.add_argument("--chunks", default=None, help="chunk size sweep instead: a comma list of SLOT or SLOT/READ, "
+                                                       "e.g. 8MiB,8MiB/4MiB,4MiB")
     ap.add_argument("--verify", action="store_true", help="the cost of verify=True instead")
     ap.add_argument("--verify-dir", default="/dev/shm", help="where the checksummed copy goes (default /dev/shm)")
     ap.add_argument("--rounds", type=int, default=5,

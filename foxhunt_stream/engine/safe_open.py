@@ -95,6 +95,9 @@ class safe_open:
             sources = open_sources(self._ck, self._s, gathering_files(self._ck, self._s))
         # the files stay open: the plans cut the strided runs of those that gather by the bytes they land
         self._gathered = frozenset(i for i, src in enumerate(sources) if src.gathers)
+        # files cold when opened (promoted as read, or read around the cache): read in whole slots
+        self._cold = frozenset(i for i, src in enumerate(sources)
+                               if getattr(src, "promote", False) or src.backend == "direct")
         self._shared: SharedSources | None = SharedSources(sources)
         self._release = weakref.finalize(self, self._shared.release)   # once: at close(), or when dropped
 
@@ -158,7 +161,7 @@ class safe_open:
                shared: SharedSources | None = None):
         sources = (shared or self._check()).sources
         plan, s, verifier = plan_selections(self._ck, selections(self._ck, names, indices), self._s, self._verify,
-                                            self._dev, self._gathered)
+                                            self._dev, self._gathered, self._cold)
         return LoadInFlight(plan, sources, Destinations.allocate(self._fw, plan, self._dev), s, check=verifier,
                             progress=progress_bar(plan.nbytes, "load", progress), per_dest=per_dest)
 

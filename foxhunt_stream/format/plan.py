@@ -103,7 +103,8 @@ class Selection:
 
 
 def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 1,
-              gathered: Collection[int] = (), read_bytes: int | None = None) -> LoadPlan:
+              gathered: Collection[int] = (), read_bytes: int | None = None,
+              cold: Collection[int] = ()) -> LoadPlan:
     """Destinations and chunks for the selections, chunks in selection order.
 
     A tensor cut into pieces is cut at multiples of ``granule`` (and of its itemsize) from its
@@ -112,7 +113,9 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
     cut by the bytes that land, so a chunk of a TP=8 column slice carries ``chunk_bytes`` of the
     slice rather than of the rows it crosses; every other run is cut by the span it reads into
     pieces of ``read_bytes`` (default and at most ``chunk_bytes``, a staging slot; never below
-    the granule). Gathers pay per chunk, positional reads pay for a bigger ring of slots.
+    the granule). Gathers pay per chunk, positional reads out of the page cache pay for a bigger
+    ring of slots. ``cold``: files mostly not in the page cache, read in whole slots (the disk
+    serves bigger requests better).
     """
     if granule > chunk_bytes:
         raise ValueError(f"granule ({granule}) larger than the chunk size ({chunk_bytes})")
@@ -133,7 +136,7 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
             # (Run.span written out: this loop runs once per run of every load)
             gather = packed and height > 1
             size = width if height == 1 else width * height if gather else (height - 1) * pitch + width
-            most = chunk_bytes if gather else cut
+            most = chunk_bytes if gather or f in cold else cut
             if size <= most:   # most runs: no cutting
                 add(Chunk(f, i, r))
                 continue

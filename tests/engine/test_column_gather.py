@@ -335,3 +335,27 @@ def test_a_load_reads_in_read_bytes_and_gathers_whole_slots(in_cache, tmp_path, 
     b = [c.run for c in chunks if c.dest == 1]
     assert [r.span for r in a] == [16 << 10] * 16          # 256 KiB of rows in 16 KiB reads
     assert [r.nbytes for r in b] == [64 << 10] * 4         # 256 KiB of columns gathered in 4 slots
+
+
+@pytest.mark.parametrize("resident, piece", [(1.0, 16 << 10), (0.2, 64 << 10)])
+def test_a_cold_file_is_read_in_whole_slots(tmp_path, monkeypatch, resident, piece):
+    """Contiguous runs of a cached file are read in read_bytes pieces, of a cold one in whole
+    slots (chunk_bytes), by load_file and by a safe_open handle opened while it is cold."""
+    from foxhunt_stream.engine import inflight
+    seen = []
+    real = inflight.Job
+
+    def job(items, *a, **k):
+        seen.append(list(items))
+        return real(items, *a, **k)
+    monkeypatch.setattr(inflight, "Job", job)
+    monkeypatch.setattr(pagecache, "resident_fraction", lambda p, samples=64: resident)
+    x = np.random.default_rng(6).standard_normal((128, 512)).astype(np.float32)   # 256 KiB
+    path = save(tmp_path / "t.safetensors", {"x": x})
+    sizes = dict(chunk_bytes="64KiB", staging_bytes="256KiB", read_bytes="16KiB", threads=2)
+    np.testing.assert_array_equal(fs.load_file(path, **sizes)["x"], x)
+    with fs.safe_open(path, **sizes) as f:
+        np.testing.assert_array_equal(f.get_tensor("x"), x)
+    assert len(seen) == 2
+    for chunks in seen:
+        assert [c.run.span for c in chunks] == [piece] * ((256 << 10) // piece)

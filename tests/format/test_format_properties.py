@@ -335,10 +335,15 @@ def test_reads_are_cut_by_read_bytes_and_gathers_by_the_slot():
     assert gathered.chunks == plan_load([Selection(0, 0, info, cols)], slot, gathered={0}).chunks
     spans = plan_load([Selection(0, 0, info, cols)], slot, read_bytes=read)
     assert max(c.run.span for c in spans.chunks) <= read and len(spans.chunks) == 28
+    # a cold file (mostly not in the page cache) is read in whole slots: the disk wants big requests
+    assert plan_load([Selection(1, 0, info)], slot, read_bytes=read, cold={1}).chunks == plan_load(
+        [Selection(1, 0, info)], slot).chunks
+    assert plan_load([Selection(0, 0, info)], slot, read_bytes=read, cold={1}).chunks == whole.chunks
     # never above a slot, never below the granule (checksum blocks keep whole blocks per chunk)
     assert plan_load([Selection(0, 0, info)], slot, read_bytes=4 * slot).chunks == plan_load(
         [Selection(0, 0, info)], slot).chunks
-    assert {c.run.span for c in plan_load([Selection(0, 0, info)], slot, granule=slot, read_bytes=read).chunks} == {slot}
+    blocks = plan_load([Selection(0, 0, info)], slot, granule=slot, read_bytes=read)
+    assert {c.run.span for c in blocks.chunks} == {slot}
 
 
 def test_split_run_granule_wins_over_a_smaller_chunk():

@@ -24,3 +24,18 @@ if HERE not in sys.path:
 def torch():
     """torch, or a skip where it is not installed."""
     return pytest.importorskip("torch")
+
+
+@pytest.fixture
+def recorded_order(monkeypatch):
+    """The chunks of each load started in the test, in the order its job was given them (one list
+    per load)."""
+    from foxhunt_stream.engine import inflight
+    seen = []
+    real = inflight.Job
+
+    def job(items, *a, **k):
+        seen.append(list(items))
+        return real(items, *a, **k)
+    monkeypatch.setattr(inflight, "Job", job)
+    return seen

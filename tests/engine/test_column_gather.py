@@ -314,23 +314,15 @@ def test_a_failing_gather_fails_the_load_cleanly_and_the_next_one_works(in_cache
     np.testing.assert_array_equal(out["x"], x[:, 1024:2048])
 
 
-def test_a_load_reads_in_read_bytes_and_gathers_whole_slots(in_cache, tmp_path, monkeypatch):
+def test_a_load_reads_in_read_bytes_and_gathers_whole_slots(in_cache, tmp_path, recorded_order):
     """The loader cuts contiguous reads by read_bytes and gathered column slices by chunk_bytes."""
-    from foxhunt_stream.engine import inflight
-    seen = []
-    real = inflight.Job
-
-    def job(items, *a, **k):
-        seen.append(list(items))
-        return real(items, *a, **k)
-    monkeypatch.setattr(inflight, "Job", job)
     x = np.random.default_rng(5).standard_normal((256, 512)).astype(np.float32)   # 2 KiB rows
     path = save(tmp_path / "t.safetensors", {"a": x, "b": x + 1})
     out = fs.load_file(path, shard=fs.TPSlice(0, 2, {"a": 0, "b": 1}), chunk_bytes="64KiB",
                        staging_bytes="256KiB", read_bytes="16KiB", threads=2)
     np.testing.assert_array_equal(out["a"], x[:128])
     np.testing.assert_array_equal(out["b"], (x + 1)[:, :256])
-    (chunks,) = seen
+    (chunks,) = recorded_order
     a = [c.run for c in chunks if c.dest == 0]
     b = [c.run for c in chunks if c.dest == 1]
     assert [r.span for r in a] == [16 << 10] * 16          # 256 KiB of rows in 16 KiB reads
@@ -338,17 +330,9 @@ def test_a_load_reads_in_read_bytes_and_gathers_whole_slots(in_cache, tmp_path, 
 
 
 @pytest.mark.parametrize("resident, piece", [(1.0, 16 << 10), (0.2, 64 << 10)])
-def test_a_cold_file_is_read_in_whole_slots(tmp_path, monkeypatch, resident, piece):
+def test_a_cold_file_is_read_in_whole_slots(tmp_path, monkeypatch, recorded_order, resident, piece):
     """Contiguous runs of a cached file are read in read_bytes pieces, of a cold one in whole
     slots (chunk_bytes), by load_file and by a safe_open handle opened while it is cold."""
-    from foxhunt_stream.engine import inflight
-    seen = []
-    real = inflight.Job
-
-    def job(items, *a, **k):
-        seen.append(list(items))
-        return real(items, *a, **k)
-    monkeypatch.setattr(inflight, "Job", job)
     monkeypatch.setattr(pagecache, "resident_fraction", lambda p, samples=64: resident)
     x = np.random.default_rng(6).standard_normal((128, 512)).astype(np.float32)   # 256 KiB
     path = save(tmp_path / "t.safetensors", {"x": x})
@@ -356,6 +340,6 @@ def test_a_cold_file_is_read_in_whole_slots(tmp_path, monkeypatch, resident, pie
     np.testing.assert_array_equal(fs.load_file(path, **sizes)["x"], x)
     with fs.safe_open(path, **sizes) as f:
         np.testing.assert_array_equal(f.get_tensor("x"), x)
-    assert len(seen) == 2
-    for chunks in seen:
+    assert len(recorded_order) == 2
+    for chunks in recorded_order:
         assert [c.run.span for c in chunks] == [piece] * ((256 << 10) // piece)

@@ -8,7 +8,6 @@ import pytest
 import safetensors.numpy as stn
 
 import foxhunt_stream as fs
-from foxhunt_stream.engine import inflight
 from foxhunt_stream.format.plan import small_chunks_last
 from plan_support import plan_of_sizes
 
@@ -27,19 +26,6 @@ def test_small_chunks_go_last_in_their_order_and_big_ones_keep_theirs():
 def test_a_plan_of_one_kind_is_returned_as_is(sizes):
     plan = plan_of_sizes(sizes, chunk=8)
     assert small_chunks_last(plan, 8) is plan
-
-
-@pytest.fixture
-def recorded_order(monkeypatch):
-    """The destination names of the chunks in the order the load's job was given them."""
-    seen = []
-    real = inflight.Job
-
-    def job(items, *a, **k):
-        seen.append(list(items))
-        return real(items, *a, **k)
-    monkeypatch.setattr(inflight, "Job", job)
-    return seen
 
 
 def test_a_load_awaited_whole_ends_on_its_small_chunks(tmp_path, recorded_order):

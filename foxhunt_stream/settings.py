@@ -63,8 +63,9 @@ class Settings:
                                      # load: three quarters of that, see background_threads)
     chunk_bytes: int = 8 << 20       # a staging slot: the most one copy moves (a gathered column slice
                                      # fills it; 8 MiB) and the checksum block
-    read_bytes: int = 4 << 20        # contiguous runs (tensors, row slices) are read and copied in pieces
-                                     # of this much, at most chunk_bytes (4 MiB: best on the H200 machine)
+    read_bytes: int = 4 << 20        # a load to a GPU reads and copies contiguous runs (tensors, row slices)
+                                     # of cached files in pieces of this much, at most chunk_bytes (4 MiB:
+                                     # best on the H200 machine); host loads and cold files: whole chunks
     staging_bytes: int = 256 << 20   # pinned staging per device (slots = staging / chunk; 2 per worker)
     backend: Backend = "auto"        # positional reads, and the column slices of files in the page cache
                                      # gathered out of a mapping (engine.loader.gathering_files)

@@ -19,6 +19,7 @@ import pytest
 import safetensors.numpy as stn
 
 import foxhunt_stream as fs
+from foxhunt_stream.cuda.devices import Device
 from foxhunt_stream.engine import loader
 from foxhunt_stream.format.tp import split_bounds
 from foxhunt_stream.io import mapping, pagecache, source
@@ -314,32 +315,54 @@ def test_a_failing_gather_fails_the_load_cleanly_and_the_next_one_works(in_cache
     np.testing.assert_array_equal(out["x"], x[:, 1024:2048])
 
 
-def test_a_load_reads_in_read_bytes_and_gathers_whole_slots(in_cache, tmp_path, recorded_order):
-    """The loader cuts contiguous reads by read_bytes and gathered column slices by chunk_bytes."""
+GPU0 = Device("cuda", 0)
+
+
+def planned(path: str, shard, device: Device, **options):
+    """The chunks the loader plans for a load of ``path`` to ``device`` (no GPU is touched)."""
+    ck = open_checkpoint(path)
+    plan, _, _, sources = loader.plan_and_open(ck, list(ck.names), shard, fs.settings.merge(**options), False,
+                                               device, whole=True)
+    loader.close_all(sources)
+    return plan.chunks
+
+
+SIZES = dict(chunk_bytes="64KiB", staging_bytes="256KiB", read_bytes="16KiB", threads=2)
+
+
+def test_a_gpu_load_reads_in_read_bytes_and_gathers_whole_slots(in_cache, tmp_path, recorded_order):
+    """To a GPU (through pinned slots) contiguous runs are read in read_bytes pieces and gathered
+    column slices fill whole slots (chunk_bytes); a host load reads whole chunks into its arrays."""
     x = np.random.default_rng(5).standard_normal((256, 512)).astype(np.float32)   # 2 KiB rows
     path = save(tmp_path / "t.safetensors", {"a": x, "b": x + 1})
-    out = fs.load_file(path, shard=fs.TPSlice(0, 2, {"a": 0, "b": 1}), chunk_bytes="64KiB",
-                       staging_bytes="256KiB", read_bytes="16KiB", threads=2)
+    shard = fs.TPSlice(0, 2, {"a": 0, "b": 1})
+    chunks = planned(path, shard, GPU0, **SIZES)
+    assert [c.run.span for c in chunks if c.dest == 0] == [16 << 10] * 16    # 256 KiB of rows in 16 KiB reads
+    assert [c.run.nbytes for c in chunks if c.dest == 1] == [64 << 10] * 4   # 256 KiB of columns in 4 slots
+    out = fs.load_file(path, shard=shard, **SIZES)
     np.testing.assert_array_equal(out["a"], x[:128])
     np.testing.assert_array_equal(out["b"], (x + 1)[:, :256])
-    (chunks,) = recorded_order
-    a = [c.run for c in chunks if c.dest == 0]
-    b = [c.run for c in chunks if c.dest == 1]
-    assert [r.span for r in a] == [16 << 10] * 16          # 256 KiB of rows in 16 KiB reads
-    assert [r.nbytes for r in b] == [64 << 10] * 4         # 256 KiB of columns gathered in 4 slots
+    (host,) = recorded_order
+    assert [c.run.span for c in host if c.dest == 0] == [64 << 10] * 4
+    assert [c.run.nbytes for c in host if c.dest == 1] == [64 << 10] * 4
 
 
 @pytest.mark.parametrize("resident, piece", [(1.0, 16 << 10), (0.2, 64 << 10)])
-def test_a_cold_file_is_read_in_whole_slots(tmp_path, monkeypatch, recorded_order, resident, piece):
-    """Contiguous runs of a cached file are read in read_bytes pieces, of a cold one in whole
-    slots (chunk_bytes), by load_file and by a safe_open handle opened while it is cold."""
+def test_a_cold_file_is_read_in_whole_slots(tmp_path, monkeypatch, resident, piece):
+    """To a GPU, contiguous runs of a cached file are read in read_bytes pieces, of a cold one in
+    whole slots (chunk_bytes); a safe_open handle plans with the files that were cold when opened."""
     monkeypatch.setattr(pagecache, "resident_fraction", lambda p, samples=64: resident)
     x = np.random.default_rng(6).standard_normal((128, 512)).astype(np.float32)   # 256 KiB
     path = save(tmp_path / "t.safetensors", {"x": x})
-    sizes = dict(chunk_bytes="64KiB", staging_bytes="256KiB", read_bytes="16KiB", threads=2)
-    np.testing.assert_array_equal(fs.load_file(path, **sizes)["x"], x)
-    with fs.safe_open(path, **sizes) as f:
+    assert [c.run.span for c in planned(path, None, GPU0, **SIZES)] == [piece] * ((256 << 10) // piece)
+    from foxhunt_stream.engine import safe_open as handle
+    colds = []
+    real = handle.plan_selections
+
+    def spy(*a, **k):
+        colds.append(a[6] if len(a) > 6 else k.get("cold"))
+        return real(*a, **k)
+    monkeypatch.setattr(handle, "plan_selections", spy)
+    with fs.safe_open(path, **SIZES) as f:
         np.testing.assert_array_equal(f.get_tensor("x"), x)
-    assert len(recorded_order) == 2
-    for chunks in recorded_order:
-        assert [c.run.span for c in chunks] == [piece] * ((256 << 10) // piece)
+    assert colds == [frozenset({0}) if resident < loader.COLD_RESIDENT else frozenset()]

@@ -71,6 +71,11 @@ GATHER_RESIDENT = 0.9
 COLD_RESIDENT = 0.5
 
 
+def is_cold(path: str) -> bool:
+    """Less than ``COLD_RESIDENT`` of the file in the page cache (sampled once per residency snapshot)."""
+    return pagecache.resident_fraction(path) < COLD_RESIDENT
+
+
 def gathering_files(ck: Checkpoint, s: _settings.Settings, among: Collection[int] | None = None) -> frozenset[int]:
     """The files whose strided runs (column slices) a load gathers row by row out of a mapping
     instead of reading their whole row spans; the plan cuts those runs by the bytes they land.
@@ -111,7 +116,7 @@ def open_sources(ck: Checkpoint, s: _settings.Settings, gathered: frozenset[int]
             if i not in gathered and backend in ("auto", "mmap"):
                 backend = "pread"
             out.append(open_source(p, backend, h.file_size))
-            if out[-1].backend == "pread" and pagecache.resident_fraction(p) < COLD_RESIDENT:
+            if out[-1].backend == "pread" and is_cold(p):
                 out[-1].promote = True
             if ck.identities:   # the file opened must be the one whose header we hold
                 out[-1].identity = ck.identities[i]
@@ -162,7 +167,7 @@ def cold_files(ck: Checkpoint, s: _settings.Settings, devices: Device | Sequence
     cut = read_cut(s, devices)
     if cut is None or cut >= s.chunk_bytes:
         return frozenset()
-    return frozenset(i for i, p in enumerate(ck.paths) if pagecache.resident_fraction(p) < COLD_RESIDENT)
+    return frozenset(i for i, p in enumerate(ck.paths) if is_cold(p))
 
 
 def plan_selections(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, verify: bool = False,

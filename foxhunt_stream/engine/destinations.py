@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 from ..cuda.devices import Device
 from ..format.plan import LoadPlan
+from . import workers
 from .frameworks import Buffer, Framework
 
 
@@ -64,7 +65,7 @@ class Destinations:
         return b
 
     def allocate_ahead(self, order: Sequence[int], stop: threading.Event,
-                       then: Callable[[], None] | None = None) -> threading.Thread | None:
+                       then: Callable[[], None] | None = None) -> workers.Task | None:
         """Allocate destinations in ``order`` on one thread, ahead of the workers that need them.
 
         Sixteen workers each allocating the destination they reach contend for the GIL and the
@@ -90,9 +91,7 @@ class Destinations:
             finally:
                 if then is not None:
                     then()
-        t = threading.Thread(target=run, name="foxhunt-alloc", daemon=True)
-        t.start()
-        return t
+        return workers.run(run, "foxhunt-alloc")
 
     def array(self, d: int):
         self.buffer(d)   # zero-byte destinations have no chunk: allocate them here

@@ -4,14 +4,18 @@ Loads and saves both run here. Each worker either calls ``work(worker, item)`` p
 ``drain``, runs one loop of its own over the items it claims (a plain load: no Python between
 chunks but the chunk's own steps). The first error cancels the rest (workers stop taking items);
 ``wait`` joins every worker (bounded) and re-raises that error. ``Job`` is the one handle type
-for background work: it keeps its sources, buffers and results alive until it is done.
+for background work: it keeps its sources, buffers and results alive until it is done. The
+workers are threads parked between jobs (``workers``), named ``{name}-{worker}`` while they run.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from typing import Any, Callable, Iterator, Sequence
+
+from . import workers
 
 
 class Cancelled(Exception):
@@ -40,9 +44,10 @@ class Job:
         self.keepalive = keepalive
         n = max(1, min(threads, len(items))) if items else 0
         self._alive = n
-        self._threads = [threading.Thread(target=self._run, args=(w,), name=f"{name}-{w}", daemon=True)
-                         for w in range(n)]
-        self._held: list[threading.Thread] = []
+        self._name = name
+        self._n = n
+        self._tasks: list[workers.Task] = []
+        self._held: list[int] = []
         self._released = False
         if not n:
             self._done.set()
@@ -51,11 +56,9 @@ class Job:
         """Start the workers; the last ``hold`` of them only at ``release()`` (which the caller
         must make sure happens: until then the job cannot finish)."""
         with self._lock:
-            hold = 0 if self._released else max(0, min(hold, len(self._threads) - 1))
-            self._held = self._threads[len(self._threads) - hold:] if hold else []
-            now = self._threads[:len(self._threads) - hold]
-        for t in now:
-            t.start()
+            hold = 0 if self._released else max(0, min(hold, self._n - 1))
+            self._held = list(range(self._n - hold, self._n))
+        self._launch(range(self._n - hold))
         return self
 
     def release(self) -> None:
@@ -63,8 +66,13 @@ class Job:
         with self._lock:
             self._released = True
             held, self._held = self._held, []
-        for t in held:
-            t.start()
+        self._launch(held)
+
+    def _launch(self, ws) -> None:
+        for w in ws:
+            task = workers.run(functools.partial(self._run, w), f"{self._name}-{w}")
+            with self._lock:
+                self._tasks.append(task)
 
     def _run(self, worker: int) -> None:
         try:
@@ -124,7 +132,7 @@ class Job:
     @property
     def workers(self) -> int:
         """How many worker threads this job runs (at most one per item)."""
-        return len(self._threads)
+        return self._n
 
     @property
     def stopping(self) -> threading.Event:
@@ -158,7 +166,9 @@ class Job:
             raise
         if not finished:
             raise TimeoutError("pipeline did not finish in time")
-        for t in self._threads:
+        with self._lock:
+            tasks = list(self._tasks)
+        for t in tasks:   # each worker has returned to its parking place, holding nothing of the job
             t.join()
         if self._error is not None:
             raise self._error

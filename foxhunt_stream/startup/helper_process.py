@@ -183,7 +183,7 @@ def child_main(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) ->
                                hint=spec["priority"] != "idle", no_readahead=bool(spec.get("no_readahead")),
                                copy=bool(spec.get("copy")), max_rate=spec.get("max_rate"))
         job = Job(pieces, readers.work, max(1, spec["threads"]), report.landed, name="foxhunt-prefetch",
-                  setup=readers.setup)
+                  setup=readers.setup, teardown=readers.teardown)
         readers.start()
         threading.Thread(target=_follow_parent, args=(stdin, readers, job), daemon=True).start()
         records = None

@@ -220,7 +220,7 @@ class PrefetchHandle:
             readers.go_fast()
         readers.start()
         return Job(self.pieces, readers.work, self._threads, self._on_done, name="foxhunt-prefetch",
-                   setup=readers.setup)
+                   setup=readers.setup, teardown=readers.teardown)
 
     def _start_job(self) -> None:
         with self._job_lock:   # a waiter woken by a helper that failed to start sees the threads' job

@@ -30,6 +30,7 @@ from .importtrace import unwatch_this_thread
 READ_BYTES = 1 << 20   # a reader's scratch buffer, where sendfile cannot fill the cache
 
 _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
+_SYS_IOPRIO_GET = {"x86_64": 252, "aarch64": 31}
 _IOPRIO_WHO_PROCESS, _IOPRIO_CLASS_IDLE, _IOPRIO_CLASS_SHIFT = 1, 3, 13
 
 
@@ -45,21 +46,36 @@ class Piece(NamedTuple):
         return self.offset + self.length
 
 
+def _ioprio(table: dict[str, int], *args: int) -> int | None:
+    """An ``ioprio_get``/``ioprio_set`` syscall for the calling thread; None where unsupported."""
+    import ctypes
+    import platform
+    nr = table.get(platform.machine())
+    if nr is None or not hasattr(os, "sched_getaffinity"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(nr, _IOPRIO_WHO_PROCESS, threading.get_native_id(), *args)
+    except (OSError, AttributeError):
+        return None
+
+
 def set_idle_io_priority() -> bool:
     """Put the calling thread's disk reads in the idle I/O class (Linux ``ioprio_set``): the block
     layer's scheduler (mq-deadline, BFQ) serves them only when nobody else's reads wait, so a
     prefetch does not slow the imports it overlaps. Best effort: False where unsupported."""
-    import ctypes
-    import platform
-    nr = _SYS_IOPRIO_SET.get(platform.machine())
-    if nr is None or not hasattr(os, "sched_getaffinity"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(nr, _IOPRIO_WHO_PROCESS, threading.get_native_id(),
-                            _IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT) == 0
-    except (OSError, AttributeError):
-        return False
+    return set_io_priority(_IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT)
+
+
+def io_priority() -> int | None:
+    """The calling thread's I/O priority (``ioprio_get``), None where unsupported."""
+    got = _ioprio(_SYS_IOPRIO_GET)
+    return None if got is None or got < 0 else got
+
+
+def set_io_priority(value: int) -> bool:
+    """Set the calling thread's I/O priority (a value ``io_priority`` returned)."""
+    return _ioprio(_SYS_IOPRIO_SET, value) == 0
 
 
 class Pacer:
@@ -177,6 +193,7 @@ class PieceReaders:
         self._no_readahead, self._copy = no_readahead, copy
         self._fast = False
         self._scratch: dict[int, memoryview] = {}
+        self._io_priority: dict[int, int | None] = {}
 
     def start(self) -> None:
         """Before the readers start: the files' readahead off (``no_readahead``)."""
@@ -200,9 +217,17 @@ class PieceReaders:
     def setup(self, worker: int) -> None:
         unwatch_this_thread()   # a reader's opens are not the process's (import traces)
         if self._idle:
+            self._io_priority[worker] = io_priority()
             set_idle_io_priority()
         if not self._hint_only:
             self._scratch[worker] = scratch_buffer(max(READ_BYTES, self._step) if self._copy else READ_BYTES)
+
+    def teardown(self, worker: int) -> None:
+        """The worker thread goes back to the pool (``engine.workers``) at the I/O priority it came
+        with: the next job it serves may be a load."""
+        previous = self._io_priority.pop(worker, None)
+        if previous is not None:
+            set_io_priority(previous)
 
     def work(self, worker: int, piece: Piece) -> None:
         """Read one piece; Cancelled when the job was cancelled first (the piece did not land)."""

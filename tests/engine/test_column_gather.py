@@ -26,6 +26,7 @@ from foxhunt_stream.io import mapping, pagecache, source
 from foxhunt_stream.io.checkpoint import open_checkpoint, read_header
 from foxhunt_stream.io.source import FileSource, total_bytes_read
 from page_cache_support import evict
+from thread_support import foxhunt_threads_at_work
 
 PAGE = mapping.PAGE
 
@@ -308,7 +309,7 @@ def test_a_failing_gather_fails_the_load_cleanly_and_the_next_one_works(in_cache
         fs.load_file(path, shard=fs.TPSlice(1, 4, {"x": 1, "*": None}), chunk_bytes=4096, threads=2)
     assert path in str(ei.value) or getattr(ei.value, "path", None) == path
     assert mapping.wait_unmapped(30) and not mapped(path)
-    assert not [t for t in threading.enumerate() if t.name.startswith("foxhunt") and t.is_alive()]
+    assert not foxhunt_threads_at_work()
     assert {fd for fd in set(os.listdir("/proc/self/fd")) - fds if os.path.exists(f"/proc/self/fd/{fd}")} == set()
     monkeypatch.setattr(source, "fault_hook", None)
     out = fs.load_file(path, shard=fs.TPSlice(1, 4, {"x": 1, "*": None}), chunk_bytes=4096, threads=2)

@@ -20,6 +20,7 @@ import pytest
 
 import foxhunt_stream as fs
 from foxhunt_stream.io import mapping
+from thread_support import foxhunt_threads_at_work
 
 try:   # crc32c is an optional extra (installed by the test extra; maybe absent on the GPU machine)
     import google_crc32c  # noqa: F401
@@ -138,6 +139,6 @@ def test_many_threads_loading_and_saving(tmp_path):
           f"{replaced[0]} contested loads refused as file-replaced")
     assert all(sum(c.values()) > 0 for c in counts)
     assert mapping.wait_unmapped(30)   # used mappings are unmapped on a thread of their own after a load
-    assert [t.name for t in threading.enumerate() if t.name.startswith("foxhunt")] == []
+    assert [t.name for t in foxhunt_threads_at_work()] == []
     assert [f for f in os.listdir(tmp_path) if "foxhunt-tmp" in f] == []
     same(fs.load_file(shared, verify=True), refs[0])

@@ -22,6 +22,7 @@ import pytest
 import foxhunt_stream as fs
 from foxhunt_stream.io import mapping, sink, source
 from foxhunt_stream.engine.pipeline import Job
+from thread_support import foxhunt_threads_at_work
 
 SMALL = dict(chunk_bytes=4096, staging_bytes=32 << 10)
 BACKENDS = [dict(backend="pread", direct_io="off"), dict(backend="mmap", direct_io="off"), dict(direct_io="on")]
@@ -41,7 +42,7 @@ def assert_equal(out, ref):
 
 
 def foxhunt_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("foxhunt") and t.is_alive()]
+    return [t.name for t in foxhunt_threads_at_work()]
 
 
 def open_fds() -> set[str]:

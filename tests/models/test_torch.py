@@ -24,6 +24,7 @@ import foxhunt_stream as fs  # noqa: E402
 from foxhunt_stream.engine import pipeline
 from foxhunt_stream.io import mapping, source  # noqa: E402
 from read_gates import range_of, gate_hook  # noqa: E402
+from thread_support import foxhunt_threads_at_work  # noqa: E402
 
 fst = fs.torch
 
@@ -67,7 +68,7 @@ def _no_hook():
 
 def _foxhunt_threads() -> set[threading.Thread]:
     mapping.wait_unmapped(30)   # a used mapping's unmapping outlives its load by design
-    return {t for t in threading.enumerate() if t.name.startswith("foxhunt")}
+    return set(foxhunt_threads_at_work())
 
 
 # ---------------------------------------------------------------- save_model / load_model

@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 import foxhunt_stream as fs  # noqa: E402
 import foxhunt_stream.transformers as fst  # noqa: E402
 from foxhunt_stream.models import hf  # noqa: E402
+from thread_support import foxhunt_threads_at_work  # noqa: E402
 
 REPORT = "transformers.modeling_utils"
 
@@ -169,7 +170,7 @@ def test_size_mismatch_ignored_reinitialises_as_transformers_does(tiny):
 
 
 def loader_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name.startswith("foxhunt")}
+    return set(foxhunt_threads_at_work())
 
 
 def test_no_loader_thread_left_after_an_error(tiny):

@@ -3,13 +3,12 @@ sources' fault hook reset after every test."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 import foxhunt_stream as fs
 from foxhunt_stream.io import mapping, source
+from thread_support import foxhunt_threads_at_work
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +32,7 @@ def foxhunt_threads():
     (after any used mapping's background unmapping, which outlives a load by design)."""
     def alive():
         mapping.wait_unmapped(30)
-        return {t for t in threading.enumerate() if t.name.startswith("foxhunt")}
+        return set(foxhunt_threads_at_work())
     return alive
 
 

@@ -18,6 +18,7 @@ import foxhunt_stream as fs
 from foxhunt_stream.io import source
 from foxhunt_stream.startup import code_files, helper_process, importtrace, prefetch as prefetch_mod, readers
 from foxhunt_stream.startup.importtrace import TRACE_HEADER, format_trace
+from thread_support import foxhunt_threads_at_work
 
 
 def _fills(monkeypatch, before=None) -> list[tuple[str, int, int, threading.Thread]]:
@@ -103,7 +104,7 @@ def test_prefetch_with_no_trace_yet_reads_the_checkpoint_only(tmp_path, checkpoi
     h = fs.prefetch(checkpoint, skip_resident=False, imports=tmp_path / "first-start.txt")
     h.wait()
     assert h.done() and h.module_paths == [] and h.bytes_done == os.path.getsize(checkpoint)
-    assert not {t for t in threading.enumerate() if t.name.startswith("foxhunt-prefetch")}
+    assert not foxhunt_threads_at_work("foxhunt-prefetch")
 
 
 def test_code_files_are_hinted_at_normal_priority_while_the_checkpoint_idles(tmp_path, checkpoint, monkeypatch):
@@ -114,9 +115,15 @@ def test_code_files_are_hinted_at_normal_priority_while_the_checkpoint_idles(tmp
     lib.write_bytes(b"x" * 50_000)
     trace = tmp_path / "imports.txt"
     trace.write_text(f"{TRACE_HEADER}\n{lib}\n")
-    idle_threads, hinted = set(), []
-    monkeypatch.setattr(readers, "set_idle_io_priority", lambda: idle_threads.add(threading.current_thread()) or True)
-    seen = _fills(monkeypatch)
+    hinted, priority, reads = [], {}, []   # priority: each thread's I/O class, as the readers set it
+
+    def set_priority(value):
+        priority[threading.current_thread()] = value
+        return True
+    monkeypatch.setattr(readers, "io_priority", lambda: priority.get(threading.current_thread(), "normal"))
+    monkeypatch.setattr(readers, "set_io_priority", set_priority)
+    monkeypatch.setattr(readers, "set_idle_io_priority", lambda: set_priority("idle"))
+    _fills(monkeypatch, before=lambda path: reads.append((path, priority.get(threading.current_thread(), "normal"))))
     real_advise = os.posix_fadvise
 
     def advise(fd, offset, length, advice):
@@ -126,8 +133,10 @@ def test_code_files_are_hinted_at_normal_priority_while_the_checkpoint_idles(tmp
     monkeypatch.setattr(os, "posix_fadvise", advise)
     h = fs.prefetch(checkpoint, skip_resident=False, imports=trace, helper_process=False)   # priority="idle" by default
     h.wait()
-    code_threads = {t for path, _, _, t in seen if path == str(lib)}
-    assert h.priority == "idle" and idle_threads and code_threads and not idle_threads & code_threads
+    code = {p for path, p in reads if path == str(lib)}
+    data = {p for path, p in reads if path != str(lib)}
+    # worker threads are reused between jobs (engine.workers): a reader goes back at the class it came with
+    assert h.priority == "idle" and code == {"normal"} and data == {"idle"}
     assert hinted and set(hinted) <= {str(lib), "?"}   # the checkpoint's idle reads are not hinted
 
 

@@ -25,6 +25,7 @@ from foxhunt_stream.settings import merge
 from foxhunt_stream.startup import prefetch as prefetch_mod
 from foxhunt_stream.startup.prefetch import plan_pieces
 from read_gates import range_of, gate_hook  # noqa: E402
+from thread_support import foxhunt_threads_at_work
 
 
 def _recording_hook(reads: list):
@@ -234,7 +235,7 @@ def test_bad_max_rate_is_refused_before_anything_opens(checkpoint):
     for bad in (0, True):
         with pytest.raises(ValueError, match="max_rate"):
             fs.prefetch(checkpoint, max_rate=bad)
-    assert not {t for t in threading.enumerate() if t.name.startswith("foxhunt-prefetch")}
+    assert not foxhunt_threads_at_work("foxhunt-prefetch")
 
 
 def _advice_seen(monkeypatch) -> list[int]:

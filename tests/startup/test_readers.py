@@ -331,3 +331,29 @@ def test_readers_waiting_on_the_pacer_stop_when_a_cancel_releases_it(tmp_path):
         for t in readers:
             t.join(5)
         assert sorted(results) == [False, False, True] and src.bytes_read == 4096
+
+
+def test_an_idle_reader_hands_its_thread_back_at_the_io_priority_it_came_with(tmp_path):
+    """Worker threads are reused between jobs (engine.workers): a prefetch reader's idle I/O class
+    must not stay on the thread for the load that runs on it next."""
+    before = readers.io_priority()
+    if before is None:
+        pytest.skip("no ioprio_get on this platform")
+    from foxhunt_stream.engine import workers
+    from foxhunt_stream.engine.pipeline import Job
+    path = _blob(tmp_path, 20_000)
+    seen = []
+    with source.FileSource(path) as src:
+        r = PieceReaders({0: src}, lambda: False, step=4096, fast_step=4096, idle=True, hint=False)
+
+        def work(w, piece):
+            seen.append((threading.current_thread(), readers.io_priority()))
+            r.work(w, piece)
+        Job([Piece(0, 0, 20_000)], work, 1, name="foxhunt-test-reader", setup=r.setup, teardown=r.teardown
+            ).start().wait(30)
+    thread, during = seen[0]
+    if during == before:
+        pytest.skip("the idle I/O class cannot be set here")
+    after = []
+    workers.run(lambda: after.append((threading.current_thread(), readers.io_priority())), "foxhunt-test-next").join(30)
+    assert during == 3 << 13 and after == [(thread, before)]

@@ -1,0 +1,114 @@
+"""Worker threads kept between jobs: a load or save wakes parked threads instead of starting new ones.
+
+``threading.Thread.start`` waits until the new thread has bootstrapped, which needs the GIL: the
+sixteen starts of a load queue behind each other and behind the workers already reading, so the
+last worker of a short load (a tensor-parallel shard) began several milliseconds after the first.
+Waking a parked thread costs the caller one lock release. A thread that found no work for
+``KEEP_IDLE_S`` seconds exits, so an idle process keeps none; there is no upper bound (a task may
+wait on another task: each gets a thread at once, as with ``Thread.start``). A forked child starts
+with no parked threads (they do not exist there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Callable
+
+log = logging.getLogger("foxhunt_stream")
+
+# the name a parked worker carries while it waits for a task
+IDLE_NAME = "foxhunt-idle"
+# how long a parked worker waits for its next task before it exits
+KEEP_IDLE_S = 30.0
+
+
+class Task:
+    """One function running on a worker thread; ``join`` waits until it has returned and the
+    thread holds nothing of it any more (as ``Thread.join`` did for a thread of its own)."""
+
+    __slots__ = ("_fn", "_finished")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+        self._finished = threading.Event()
+
+    def join(self, timeout: float | None = None) -> bool:
+        return self._finished.wait(timeout)
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+
+class _Parked:
+    """A worker thread's slot: the task handed to it and the lock it sleeps on."""
+
+    __slots__ = ("task", "name", "wake")
+
+    def __init__(self) -> None:
+        self.task: Task | None = None
+        self.name = IDLE_NAME
+        self.wake = threading.Lock()
+        self.wake.acquire()   # held while parked: a release hands the thread its task
+
+
+_lock = threading.Lock()
+_parked: list[_Parked] = []
+
+
+def run(fn: Callable[[], None], name: str) -> Task:
+    """Run ``fn()`` on a parked worker thread (the one parked last), or a new one, named ``name``
+    while it runs. ``fn`` handles its own errors: one escaping it is logged."""
+    task = Task(fn)
+    with _lock:
+        slot = _parked.pop() if _parked else None
+    if slot is None:
+        slot = _Parked()
+        slot.task, slot.name = task, name
+        threading.Thread(target=_serve, args=(slot,), name=name, daemon=True).start()
+    else:
+        slot.task, slot.name = task, name
+        slot.wake.release()
+    return task
+
+
+def parked() -> int:
+    """How many worker threads wait for work now."""
+    with _lock:
+        return len(_parked)
+
+
+def _serve(slot: _Parked) -> None:
+    me = threading.current_thread()
+    while True:
+        task, slot.task = slot.task, None
+        me.name = slot.name
+        fn, task._fn = task._fn, None
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001 - a task reports its own errors; this one escaped
+            log.exception("foxhunt worker task %s failed", slot.name)
+        del fn
+        me.name = IDLE_NAME
+        with _lock:
+            _parked.append(slot)
+        task._finished.set()   # joined: this thread is parked (and may already have its next task)
+        del task
+        if not slot.wake.acquire(timeout=KEEP_IDLE_S):
+            with _lock:
+                if slot in _parked:
+                    _parked.remove(slot)
+                    return
+            slot.wake.acquire()   # a task was handed over just as the wait ran out
+
+
+def _forget_parked() -> None:
+    """In a forked child: the parent's parked threads do not exist here."""
+    global _lock
+    _lock = threading.Lock()
+    _parked.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parked)

@@ -7,8 +7,7 @@ the framework name; they only see a ``Buffer``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -17,9 +16,9 @@ from ..format.dtypes import DType, from_numpy, from_torch, host_shape
 from ..errors import DeviceError, DeviceOutOfMemoryError, OptionError
 
 
-@dataclass(frozen=True, slots=True)
-class Buffer:
-    """Where a destination's bytes go: host memory (``host``) or a device address (``ptr``)."""
+class Buffer(NamedTuple):
+    """Where a destination's bytes go: host memory (``host``) or a device address (``ptr``). A
+    tuple: a load makes one per tensor."""
     device: Device
     nbytes: int
     host: np.ndarray | None = None   # uint8, contiguous (cpu)
@@ -164,6 +163,7 @@ class TorchFramework:
 
     def __init__(self) -> None:
         self._devices: dict[Device, Any] = {}   # Device -> torch.device, made once
+        self._dtypes: dict[str, Any] = {}       # DType.name -> torch dtype, looked up once
 
     def _torch(self):
         return import_torch()
@@ -190,12 +190,23 @@ class TorchFramework:
 
     def new(self, dtype: DType, shape, device: Device, tensor: str = ""):
         """A new tensor and its Buffer (a load's destination). A load makes hundreds, the caller
-        holding the GIL for each: the device is resolved once per load and a GPU tensor's Buffer
-        read straight off it (contiguous by construction)."""
-        t = self.empty(dtype, shape, device, tensor)
-        if not device.is_cuda:
+        holding the GIL for each: the device and dtype are resolved once per framework and a GPU
+        tensor's Buffer read straight off it (contiguous by construction)."""
+        if not device.is_cuda or dtype.sub_byte:
+            t = self.empty(dtype, shape, device, tensor)
             return t, self.buffer(t)
-        return t, Buffer(device, t.numel() * t.element_size(), ptr=t.data_ptr())
+        torch = self._torch()
+        where = self._devices.get(device)
+        if where is None:
+            where = self._devices[device] = torch.device(str(device))
+        tdt = self._dtypes.get(dtype.name)
+        if tdt is None:
+            tdt = self._dtypes[dtype.name] = self.torch_dtype(dtype)
+        try:
+            t = torch.empty(shape, dtype=tdt, device=where)
+        except getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError):
+            raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shape)) * dtype.itemsize) from None
+        return t, Buffer(device, t.numel() * t.element_size(), None, t.data_ptr())
 
     def settle(self, device: Device) -> None:
         """Wait for work queued on torch's current stream of ``device`` (its freed blocks get reused)."""

@@ -194,11 +194,11 @@ def plan_selections(ck: Checkpoint, sels: list[Selection], s: _settings.Settings
 
 def selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | None = None) -> list[Selection]:
     """One Selection per name (with its index into the tensor, for slices), in the given order."""
-    out = []
-    for n in names:
-        f, info = ck.names[n]
-        out.append(Selection(f, ck.headers[f].data_start, info, (indices or {}).get(n)))
-    return out
+    starts = [h.data_start for h in ck.headers]
+    entries = ck.names
+    if not indices:
+        return [Selection(f, starts[f], info) for f, info in (entries[n] for n in names)]
+    return [Selection(f, starts[f], info, indices.get(n)) for n in names for f, info in (entries[n],)]
 
 
 def plan_and_open(ck: Checkpoint, chosen: list[str], shard: TPSlice | None, s: _settings.Settings, verify: bool,

@@ -92,9 +92,9 @@ def split_run(run: Run, max_bytes: int, granule: int = 1, packed: bool = False) 
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class Selection:
-    """One thing to load: a tensor of a file, optionally an index into it."""
+class Selection(NamedTuple):
+    """One thing to load: a tensor of a file, optionally an index into it. A tuple: a load makes
+    one per tensor, before its first read."""
     file: int
     data_start: int
     info: TensorInfo
@@ -123,9 +123,8 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
     dests, chunks, counts = [], [], []
     add = chunks.append
     granules: dict[int, int] = {}
-    for i, s in enumerate(selections):
-        info, f = s.info, s.file
-        shape, runs = slice_runs(info, s.data_start, s.index)
+    for i, (f, data_start, info, index, name) in enumerate(selections):
+        shape, runs = slice_runs(info, data_start, index)
         n = len(chunks)
         packed = f in gathered
         nbytes = 0
@@ -143,7 +142,7 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
             itemsize = info.dtype.itemsize
             g = granules.get(itemsize) or granules.setdefault(itemsize, math.lcm(granule, max(1, itemsize)))
             chunks.extend(Chunk(f, i, piece) for piece in split_run(r, most, granule=g, packed=gather))
-        dests.append(Destination(s.name or info.name, info.dtype, shape, nbytes))
+        dests.append(Destination(name or info.name, info.dtype, shape, nbytes))
         counts.append(len(chunks) - n)
     return LoadPlan(tuple(dests), tuple(chunks), tuple(counts))
 

@@ -30,9 +30,11 @@ DimRule = Union[int, None, Mapping[str, Union[int, None]], Callable[[str], Union
 Index = tuple[slice, ...]
 
 
-def _dim_value(value, where: str) -> int | None:
-    if value is None:
-        return None
+def _dim_value(value, where: str | Callable[[], str]) -> int | None:
+    """``value`` as a dim (an int or None); ``where`` (or what it returns) names it in the error."""
+    if value is None or type(value) is int:   # the common case, before any message is built
+        return value
+    where = where if isinstance(where, str) else where()
     if isinstance(value, bool):
         raise TypeError(f"{where}: a shard dim must be an int or None, got {value!r}")
     try:
@@ -109,10 +111,10 @@ def dim_rule(shard: TPSlice) -> Callable[[str], int | None]:
             if i is None:
                 raise ValueError(f"tensor {name!r}: no pattern of TPSlice.dim matches it "
                                  f"({list(patterns[:8])}); add '*': None to replicate the rest")
-            return _dim_value(values[i], f"TPSlice.dim[{patterns[i]!r}]")
+            return _dim_value(values[i], lambda: f"TPSlice.dim[{patterns[i]!r}]")
         return by_pattern
     if callable(d):
-        return lambda name: _dim_value(d(name), f"tensor {name!r}: TPSlice.dim({name!r})")
+        return lambda name: _dim_value(d(name), lambda: f"tensor {name!r}: TPSlice.dim({name!r})")
     fixed = _dim_value(d, "TPSlice.dim")
     return lambda name: fixed
 
@@ -171,4 +173,12 @@ def indices_for(ck: "Checkpoint", names: Iterable[str], shard: TPSlice | None) -
         return None
     _require_tpslice(shard)
     rule, entries = dim_rule(shard), ck.names
-    return {n: index_along(entries[n][1].shape, rule(n), shard, n) for n in names}
+    known: dict[tuple, Index | None] = {}   # a model repeats a few shapes: one index per (shape, dim)
+    out = {}
+    for n in names:
+        shape, d = entries[n][1].shape, rule(n)
+        index = known.get((shape, d), known)
+        if index is known:
+            index = known[(shape, d)] = index_along(shape, d, shard, n)
+        out[n] = index
+    return out

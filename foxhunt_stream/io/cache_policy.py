@@ -131,4 +131,7 @@ def available_memory() -> int | None:
 def read_through_cache(paths: Sequence[str], needs: Sequence[int]) -> list[bool]:
     """Per file of a load (in load order), whether to read it through the page cache:
     ``keep_in_cache`` on the files' residency and the memory available now."""
-    return keep_in_cache(needs, [pagecache.resident_fraction(p) for p in paths], available_memory())
+    resident = [pagecache.resident_fraction(p) for p in paths]
+    if all(r >= MOSTLY_RESIDENT for r in resident):   # a hot load: no budget to ask the system about
+        return [True] * len(resident)
+    return keep_in_cache(needs, resident, available_memory())

@@ -182,9 +182,12 @@ class TorchFramework:
         where = self._devices.get(device)
         if where is None:
             where = self._devices[device] = torch.device(str(device))
+        tdt = self._dtypes.get(dtype.name)
+        if tdt is None:
+            tdt = self._dtypes[dtype.name] = self.torch_dtype(dtype)
         shp = host_shape(dtype, tuple(shape))
         try:
-            return torch.empty(shp, dtype=self.torch_dtype(dtype), device=where)
+            return torch.empty(shp, dtype=tdt, device=where)
         except getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError):
             raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shp)) * max(1, dtype.itemsize)) from None
 
@@ -192,20 +195,9 @@ class TorchFramework:
         """A new tensor and its Buffer (a load's destination). A load makes hundreds, the caller
         holding the GIL for each: the device and dtype are resolved once per framework and a GPU
         tensor's Buffer read straight off it (contiguous by construction)."""
-        if not device.is_cuda or dtype.sub_byte:
-            t = self.empty(dtype, shape, device, tensor)
+        t = self.empty(dtype, shape, device, tensor)
+        if not device.is_cuda:
             return t, self.buffer(t)
-        torch = self._torch()
-        where = self._devices.get(device)
-        if where is None:
-            where = self._devices[device] = torch.device(str(device))
-        tdt = self._dtypes.get(dtype.name)
-        if tdt is None:
-            tdt = self._dtypes[dtype.name] = self.torch_dtype(dtype)
-        try:
-            t = torch.empty(shape, dtype=tdt, device=where)
-        except getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError):
-            raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shape)) * dtype.itemsize) from None
         return t, Buffer(device, t.numel() * t.element_size(), None, t.data_ptr())
 
     def settle(self, device: Device) -> None:

@@ -81,9 +81,13 @@ def split_run(run: Run, max_bytes: int, granule: int = 1, packed: bool = False) 
             out.append(Run(src + r * pitch, pitch if h > 1 else width, width, h, dst + r * width))
         return out
     piece = max(granule, (max_bytes // granule) * granule)
-    if height == 1:   # a whole tensor or a dim-0 slice: the common case, in one comprehension
-        return [Run(src + off, min(piece, width - off), min(piece, width - off), 1, dst + off)
-                for off in range(0, width, piece)]
+    if height == 1:   # a whole tensor or a dim-0 slice: the common case (a 16 GB full load cuts
+        # ~3,900 pieces), whole pieces in one comprehension, then the rest
+        whole = width - width % piece
+        out = [Run(src + off, piece, piece, 1, dst + off) for off in range(0, whole, piece)]
+        if whole < width:
+            out.append(Run(src + whole, width - whole, width - whole, 1, dst + whole))
+        return out
     out = []
     for r in range(height):
         for off in range(0, width, piece):
@@ -141,17 +145,7 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
                 continue
             itemsize = info.dtype.itemsize
             g = granules.get(itemsize) or granules.setdefault(itemsize, math.lcm(granule, max(1, itemsize)))
-            if height == 1:   # a whole tensor or a row slice cut in pieces (split_run's, written out: the
-                # full load of a 16 GB checkpoint makes ~3,900 of them)
-                piece = max(g, (most // g) * g)
-                src, dst, whole = r.src, r.dst, width - width % piece
-                chunks.extend([Chunk(f, i, Run(src + off, piece, piece, 1, dst + off))
-                               for off in range(0, whole, piece)])
-                if whole < width:
-                    rest = width - whole
-                    add(Chunk(f, i, Run(src + whole, rest, rest, 1, dst + whole)))
-                continue
-            chunks.extend(Chunk(f, i, piece) for piece in split_run(r, most, granule=g, packed=gather))
+            chunks.extend([Chunk(f, i, piece) for piece in split_run(r, most, granule=g, packed=gather)])
         dests.append(Destination(name or info.name, info.dtype, shape, nbytes))
         counts.append(len(chunks) - n)
     return LoadPlan(tuple(dests), tuple(chunks), tuple(counts))

@@ -45,10 +45,11 @@ def test_jobs_reuse_their_workers_instead_of_starting_threads():
         return got
 
     first = idents(4)
-    before = threading.active_count()
+    before = set(threading.enumerate())
     second = idents(4)
     assert len(first) == len(second) == 4 and second == first
-    assert threading.active_count() == before
+    # No thread started; an idle worker parked by an earlier test may exit meanwhile.
+    assert set(threading.enumerate()) <= before
 
 
 def test_a_parked_worker_keeps_nothing_of_its_last_task():

@@ -13,16 +13,17 @@ with height 1 to cut tensors into chunks (``plan_save``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Collection, NamedTuple, Sequence
+from typing import Callable, Collection, NamedTuple, Sequence
 
 from .dtypes import DType
 from .header import TensorInfo
 from .indexing import Run, slice_runs
 
 __all__ = ["Run", "Chunk", "Destination", "LoadPlan", "Selection", "split_run", "plan_load", "plan_save",
-           "small_chunks_last"]
+           "small_chunks_last", "take_in_turn"]
 
 
 class Chunk(NamedTuple):
@@ -166,6 +167,31 @@ def small_chunks_last(plan: LoadPlan, chunk_bytes: int) -> LoadPlan:
     if not small or not big:
         return plan
     return LoadPlan(plan.destinations, tuple(big + small), plan.chunks_per_dest)
+
+
+def take_in_turn(plan: LoadPlan, group_of: Callable[[Chunk], object]) -> LoadPlan:
+    """The plan with, in each file, the chunks that ``group_of`` puts in a group (not None) taken
+    from the groups in turn: every group's first chunk, then every group's second, and so on, in
+    the places those chunks held. The other chunks keep their places.
+
+    For a cold file read as a few sequential streams (``FileSource.read_in_streams``, a group
+    per stream): the workers, taking chunks in plan order, then keep every stream moving forward,
+    one read at a time, instead of all reading side by side in one stretch of the file."""
+    places: dict[int, list[int]] = {}
+    groups: dict[int, dict[object, list[Chunk]]] = {}
+    for i, c in enumerate(plan.chunks):
+        g = group_of(c)
+        if g is not None:
+            places.setdefault(c.file, []).append(i)
+            groups.setdefault(c.file, {}).setdefault(g, []).append(c)
+    if all(len(g) < 2 for g in groups.values()):
+        return plan
+    chunks = list(plan.chunks)
+    for f, where in places.items():
+        turns = itertools.zip_longest(*groups[f].values())
+        for i, c in zip(where, (c for turn in turns for c in turn if c is not None)):
+            chunks[i] = c
+    return LoadPlan(plan.destinations, tuple(chunks), plan.chunks_per_dest)
 
 
 def plan_save(sizes: Sequence[int], offsets: Sequence[int], chunk_bytes: int,

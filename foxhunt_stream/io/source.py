@@ -12,6 +12,13 @@ Backends behind one small interface:
 * ``direct`` - ``O_DIRECT`` reads of page-aligned spans into aligned buffers, bypassing the page
   cache (for cold files); the bytes wanted are a view into the over-read span.
 
+A file the disk is filling the page cache with (a cold one read through the cache) may be read as
+a few sequential streams (``FileSource.read_in_streams``), each a stretch of the file read through
+a descriptor of its own: the kernel's readahead, which keeps its state per descriptor, then sees
+sequential reads and fills the cache in large folios (up to 2 MiB), where many workers reading side
+by side through one descriptor look random to it and leave 4-16 KiB folios. Large folios make the
+next start's column gathers out of a mapping faster (fewer faults and unmaps).
+
 A copy out of a mapping re-checks the file's size first, so a file truncated before it is a
 FormatError; one truncated in place during the copy ends the process with SIGBUS (``pread``
 never maps). Every source counts what it read (``bytes_read``): the bytes of a positional read,
@@ -53,6 +60,13 @@ def total_bytes_read() -> int:
     return _total_read
 
 
+def stream_of(offset: int, size: int, streams: int) -> int:
+    """Which of ``streams`` equal stretches of a ``size``-byte file holds ``offset``."""
+    if streams <= 1 or size <= 0:
+        return 0
+    return min(streams - 1, max(0, offset) * streams // size)
+
+
 def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
     """What changes when a file is replaced (rename over it) or rewritten: device, inode, size, mtime."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -83,6 +97,7 @@ class FileSource:
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.map: FileMap | None = None
+        self._stream_fds: list[int] | None = None   # read_in_streams: one descriptor per stretch
         if gather:
             self.backend = "auto"
             self._map_file("gather column slices out of it")
@@ -119,6 +134,51 @@ class FileSource:
     def size(self) -> int:
         return os.fstat(self.fd).st_size
 
+    def read_in_streams(self, streams: int) -> None:
+        """Read each of ``streams`` equal stretches of the file (``stream_of``) through a
+        descriptor of its own, opened on its first read (module doc: for a cold file, so that the
+        kernel reads ahead per stretch). The descriptors reopen this open file through
+        ``/proc/self/fd``, so they read the same inode whatever happened to the path; where that
+        cannot be done, a stretch is read through ``fd``."""
+        if streams > 1 and self.fd >= 0:
+            self._stream_fds = [-1] * streams
+
+    @property
+    def streams(self) -> int:
+        return len(self._stream_fds) if self._stream_fds is not None else 1
+
+    def stream(self, offset: int) -> int | None:
+        """The stream that reads ``offset`` (None when the file is not read in streams)."""
+        if self._stream_fds is None:
+            return None
+        return stream_of(offset, self.expected_size or 0, len(self._stream_fds))
+
+    def _fd_at(self, offset: int) -> int:
+        """The descriptor that reads ``offset``."""
+        fds = self._stream_fds
+        if fds is None:
+            return self.fd
+        k = stream_of(offset, self.expected_size or 0, len(fds))
+        fd = fds[k]
+        if fd < 0:
+            with self._lock:
+                fd = fds[k]
+                if fd < 0:
+                    fd = fds[k] = self._reopen()
+        return fd
+
+    def _reopen(self) -> int:
+        """A new descriptor (its own readahead state) of the file ``fd`` has open, or ``fd``."""
+        try:
+            fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return self.fd
+        a, b = os.fstat(fd), os.fstat(self.fd)
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+            os.close(fd)
+            return self.fd
+        return fd
+
     def _short(self, offset: int, got: int, want: int) -> FormatError:
         return FormatError("file-truncated",
                            f"read of {want} bytes at offset {offset} returned only {got}: the file is shorter "
@@ -153,12 +213,13 @@ class FileSource:
             if r is not None:
                 limit = r
         mv = memoryview(out).cast("B")
+        fd = self._fd_at(offset)
         got = 0
         while got < want:
             if got >= limit:
                 raise self._short(offset, got, want)
             try:
-                n = os.preadv(self.fd, [mv[got:limit]], offset + got)
+                n = os.preadv(fd, [mv[got:limit]], offset + got)
             except OSError as e:
                 raise OSError(e.errno, f"{self.path}: read of {want} bytes at offset {offset} failed: "
                                        f"{e.strerror}") from e
@@ -167,12 +228,13 @@ class FileSource:
             got += n
         self.count(want)
         if self.promote:
-            self._touch_again(offset, want)
+            self._touch_again(offset, want, fd)
 
-    def _touch_again(self, offset: int, length: int) -> None:
-        """The second use of freshly cached pages (see ``promote``); best effort."""
+    def _touch_again(self, offset: int, length: int, fd: int | None = None) -> None:
+        """The second use of freshly cached pages (see ``promote``), through ``fd`` (the one
+        that read them); best effort."""
         try:
-            sendfile_to_null(self.fd, offset, length)
+            sendfile_to_null(self.fd if fd is None else fd, offset, length)
         except OSError:
             pass
 
@@ -250,6 +312,9 @@ class FileSource:
         if self.map is not None:
             self.map.close()   # a used mapping goes on a thread of its own (mapping.FileMap.close)
             self.map = None
+        fds, self._stream_fds = self._stream_fds, None
+        for fd in set(fds or ()) - {-1, self.fd}:
+            os.close(fd)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

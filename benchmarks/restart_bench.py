@@ -7,7 +7,9 @@ The checkpoint must sit on a disk (not tmpfs) for the cold figures to mean anyth
 
 1. raw cold read: the checkpoint dropped from the page cache (fsync + POSIX_FADV_DONTNEED, or
    /proc/sys/vm/drop_caches as root), then every byte preadv'd by the loader's threads in its
-   chunk size into reused buffers: the disk's rate, the cold load's ceiling;
+   chunk size into reused buffers, each file as one sequential stream per thread, each stream
+   through a descriptor of its own (as the loader reads a cold file): the disk's rate, the cold
+   load's ceiling;
 2. cold load: dropped again, a fresh process loads the checkpoint (timed inside the process,
    after the imports and CUDA start);
 3. second load: another fresh process loads it again, as a restarted server would;
@@ -59,7 +61,7 @@ def one_round(args, files: list[str], threads: int, chunk: int) -> dict:
     size = sum(map(os.path.getsize, files))
     slots = [np.empty(chunk, np.uint8) for _ in range(threads)]
     out: dict = {}
-    raw = ce.read_ceiling(files, threads, 1, chunk, slots, before=lambda: ce.drop_caches(files))
+    raw = ce.read_ceiling(files, threads, 1, chunk, slots, before=lambda: ce.drop_caches(files), streams=threads)
     out["raw_cold_read_GBps"] = size / raw[0] / GB
     child = [__file__, "child", args.ckpt, "--device", args.device]
     out["drop"] = ce.drop_caches(files)

@@ -256,7 +256,9 @@ def _load_ceilings(report: Report, ck: Checkpoint, dev: Device, chunk: int, reps
     copy_bytes = max(chunk, min(nbytes, 256 << 20))
     report.rows.append(Row("ceiling", f"host memcpy ({threads} threads, {fmt_bytes(copy_bytes)})", copy_bytes,
                            ce.memcpy_ceiling(copy_bytes, threads, reps, chunk)))
+    # cold: each file read as one sequential stream per thread, as a load reads a cold file
     what = "page cache" if before is None else "disk"
+    how = f"preadv, {threads} threads" if before is None else f"preadv, {threads} threads, a stream each"
     h2d = None
     if dev.is_cuda:
         cp = cupy()
@@ -266,12 +268,13 @@ def _load_ceilings(report: Report, ck: Checkpoint, dev: Device, chunk: int, reps
         report.rows.append(h2d)
         with cp.cuda.Device(dev.index):
             slots = [ce.pinned_buffer(cp, chunk) for _ in range(threads)]
-        name = f"{what} -> pinned (preadv, {threads} threads)"
+        name = f"{what} -> pinned ({how})"
     else:
         slots = [np.ones(chunk, np.uint8) for _ in range(threads)]
-        name = f"{what} -> host (preadv, {threads} threads)"
+        name = f"{what} -> host ({how})"
     read = Row("ceiling", name, sum(h.file_size for h in ck.headers),
-               ce.read_ceiling(ck.paths, threads, reps, chunk, slots, before))
+               ce.read_ceiling(ck.paths, threads, reps, chunk, slots, before,
+                               streams=1 if before is None else threads))
     report.rows.append(read)
     # A load to the GPU can go no faster than the slower of its two legs.
     return h2d.name if h2d is not None and h2d.gbps and read.gbps and h2d.gbps < read.gbps else read.name

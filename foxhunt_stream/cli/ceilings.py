@@ -12,6 +12,7 @@ ceiling that measures something else.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import mmap
@@ -25,6 +26,7 @@ import numpy as np
 from ..io.checkpoint import INDEX_NAME
 from ..io.pagecache import resident_fraction
 from ..io.sink import AtomicFile
+from ..io.source import stream_of
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 
@@ -235,16 +237,26 @@ def memcpy_ceiling(nbytes: int, threads: int, reps: int, chunk: int) -> list[flo
 
 
 def read_ceiling(paths: Sequence[str], threads: int, reps: int, chunk: int, slots: Sequence[np.ndarray],
-                 before: Callable[[], Any] | None = None, warmup: int | None = None) -> list[float]:
+                 before: Callable[[], Any] | None = None, warmup: int | None = None, streams: int = 1) -> list[float]:
     """``preadv`` of every byte of ``paths``, each worker into its own reused buffer (``slots``:
     pinned ones for a GPU): what the page cache, or cold the disk, gives with no page faults on
-    the destination side. One untimed warm-up unless ``before`` drops the cache."""
-    items = [(p, off, n) for p in paths for off, n in pieces(os.path.getsize(p), chunk)]
+    the destination side. One untimed warm-up unless ``before`` drops the cache. ``streams``:
+    each file read as that many stretches, each through a descriptor of its own, their pieces
+    taken in turn (how a load reads a cold file: ``FileSource.read_in_streams``)."""
+    streams = max(1, streams)
+    items = []
+    for p in paths:
+        size = os.path.getsize(p)
+        parts: list[list] = [[] for _ in range(streams)]
+        for off, n in pieces(size, chunk):
+            k = stream_of(off, size, streams)
+            parts[k].append((p, k, off, n))
+        items += [it for turn in itertools.zip_longest(*parts) for it in turn if it is not None]
 
     def once() -> None:
-        fds = {p: os.open(p, os.O_RDONLY) for p in paths}
+        fds = {(p, k): os.open(p, os.O_RDONLY) for p in paths for k in range(streams)}
         try:
-            parallel(items, lambda w, it: _read_all(fds[it[0]], slots[w][:it[2]], it[1]), threads)
+            parallel(items, lambda w, it: _read_all(fds[it[0], it[1]], slots[w][:it[3]], it[2]), threads)
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -151,3 +151,24 @@ def test_write_method_follows_the_saver(tmp_path):
     assert os.listdir(tmp_path) == []
     if os.path.isdir("/dev/shm"):
         assert ce.write_method("/dev/shm", 64 << 20, 2) == "pwrite"   # two writers: pwrite is faster
+
+
+def test_read_ceiling_in_streams_reads_each_stretch_through_its_own_descriptor(tmp_path, monkeypatch):
+    """The cold ceiling reads as a cold load does (``FileSource.read_in_streams``): each stretch
+    of a file through one descriptor, the stretches' pieces taken in turn."""
+    data = os.urandom(4 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    seen = []
+    real = os.preadv
+
+    def spy(fd, buffers, offset, *args):
+        seen.append((fd, offset))
+        return real(fd, buffers, offset, *args)
+    monkeypatch.setattr(os, "preadv", spy)
+    slots = [np.zeros(1 << 20, np.uint8)]
+    ce.read_ceiling([str(path)], 1, 1, 1 << 20, slots, warmup=0, streams=2)
+    mib = 1 << 20
+    assert [off for _, off in seen] == [0, 2 * mib, mib, 3 * mib]   # the two stretches in turn
+    assert seen[0][0] == seen[2][0] != seen[1][0] == seen[3][0]      # a descriptor per stretch
+    assert slots[0].tobytes() == data[3 * mib:]

@@ -79,6 +79,20 @@ def _open_fds() -> set[str]:
     return out
 
 
+def _read_spy(monkeypatch, start: int = 0) -> list[tuple[int, int]]:
+    """Every (fd, offset) of a positional read at ``start`` or beyond (for a checkpoint: its
+    tensors, not its header)."""
+    seen: list[tuple[int, int]] = []
+    real = os.preadv
+
+    def spy(fd, buffers, offset, *args):
+        if offset >= start:
+            seen.append((fd, offset))
+        return real(fd, buffers, offset, *args)
+    monkeypatch.setattr(os, "preadv", spy)
+    return seen
+
+
 @pytest.fixture
 def data_file(tmp_path):
     path = tmp_path / "blob.bin"
@@ -90,13 +104,7 @@ def data_file(tmp_path):
 def test_a_source_read_in_streams_reads_each_stretch_through_its_own_descriptor(data_file, monkeypatch):
     path, data = data_file
     before = _open_fds()
-    seen: list[tuple[int, int]] = []
-    real = os.preadv
-
-    def spy(fd, buffers, offset, *args):
-        seen.append((fd, offset))
-        return real(fd, buffers, offset, *args)
-    monkeypatch.setattr(os, "preadv", spy)
+    seen = _read_spy(monkeypatch)
     src = FileSource(path, data.nbytes)
     src.read_in_streams(4)
     assert src.streams == 4 and [src.stream(o) for o in (0, 262144, 524288, (1 << 20) - 1)] == [0, 1, 2, 3]
@@ -147,24 +155,12 @@ def cold_checkpoint(tmp_path):
     return path, tensors
 
 
-def _read_spy(monkeypatch, path) -> list[tuple[int, int]]:
-    """Every (fd, offset) of a positional read of the tensors of ``path`` (not its header)."""
-    seen: list[tuple[int, int]] = []
-    real = os.preadv
-    data_start = fs.read_header(path).data_start
-
-    def spy(fd, buffers, offset, *args):
-        if offset >= data_start:
-            seen.append((fd, offset))
-        return real(fd, buffers, offset, *args)
-    monkeypatch.setattr(os, "preadv", spy)
-    return seen
 
 
 def test_a_cold_load_reads_its_file_as_one_stream_per_worker(cold_checkpoint, monkeypatch):
     path, tensors = cold_checkpoint
     before = _open_fds()
-    seen = _read_spy(monkeypatch, path)
+    seen = _read_spy(monkeypatch, fs.read_header(path).data_start)
     out = fs.load_file(path, threads=4, chunk_bytes=1 << 20)
     assert all(np.array_equal(out[k], v) for k, v in tensors.items())
     size = os.path.getsize(path)
@@ -177,28 +173,19 @@ def test_a_cold_load_reads_its_file_as_one_stream_per_worker(cold_checkpoint, mo
     assert _open_fds() == before   # the streams' descriptors are closed with the load
 
 
-def test_a_hot_load_reads_through_one_descriptor_per_file(cold_checkpoint, monkeypatch):
+@pytest.mark.parametrize("case, descriptors", [
+    ("hot", 1),          # in the page cache: no streams
+    ("capped", 2),       # at most STREAM_FDS descriptors a load
+    ("background", 1),   # a caller waiting tensor by tensor wants the plan's order: no streams
+])
+def test_the_descriptors_a_load_reads_through(cold_checkpoint, monkeypatch, case, descriptors):
     path, tensors = cold_checkpoint
-    fs.load_file(path)            # now in the page cache
-    seen = _read_spy(monkeypatch, path)
-    out = fs.load_file(path, threads=4, chunk_bytes=1 << 20)
+    if case == "hot":
+        fs.load_file(path)
+    if case == "capped":
+        monkeypatch.setattr(loader, "STREAM_FDS", 2)
+    seen = _read_spy(monkeypatch, fs.read_header(path).data_start)
+    out = fs.load_file(path, threads=4, chunk_bytes=1 << 20, background=case == "background")
+    out = out.result() if case == "background" else out
     assert all(np.array_equal(out[k], v) for k, v in tensors.items())
-    assert len({fd for fd, _ in seen}) == 1
-
-
-def test_streams_are_capped_by_the_descriptors_a_load_may_open(cold_checkpoint, monkeypatch):
-    path, tensors = cold_checkpoint
-    monkeypatch.setattr(loader, "STREAM_FDS", 2)
-    seen = _read_spy(monkeypatch, path)
-    out = fs.load_file(path, threads=4, chunk_bytes=1 << 20)
-    assert all(np.array_equal(out[k], v) for k, v in tensors.items())
-    assert len({fd for fd, _ in seen}) == 2
-
-
-def test_a_load_in_the_background_keeps_plan_order_and_one_descriptor(cold_checkpoint, monkeypatch):
-    """A caller waiting tensor by tensor wants the plan's order: no streams there."""
-    path, tensors = cold_checkpoint
-    seen = _read_spy(monkeypatch, path)
-    out = fs.load_file(path, threads=4, chunk_bytes=1 << 20, background=True).result()
-    assert all(np.array_equal(out[k], v) for k, v in tensors.items())
-    assert len({fd for fd, _ in seen}) == 1
+    assert len({fd for fd, _ in seen}) == descriptors

@@ -12,7 +12,6 @@ ceiling that measures something else.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import math
 import mmap
@@ -23,6 +22,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from ..format.plan import in_turn
 from ..io.checkpoint import INDEX_NAME
 from ..io.pagecache import resident_fraction
 from ..io.sink import AtomicFile
@@ -251,7 +251,7 @@ def read_ceiling(paths: Sequence[str], threads: int, reps: int, chunk: int, slot
         for off, n in pieces(size, chunk):
             k = stream_of(off, size, streams)
             parts[k].append((p, k, off, n))
-        items += [it for turn in itertools.zip_longest(*parts) for it in turn if it is not None]
+        items += in_turn(parts)
 
     def once() -> None:
         fds = {(p, k): os.open(p, os.O_RDONLY) for p in paths for k in range(streams)}

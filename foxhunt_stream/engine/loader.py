@@ -140,7 +140,7 @@ def read_in_streams(plan: LoadPlan, sources: Sequence[FileSource], threads: int)
     """The cold files read through the cache (``promote``) read as sequential streams, one per
     worker (fewer with many such files), and the plan taking their chunks from the streams in
     turn (``take_in_turn``), so that each stream's reads come one after the other."""
-    cold = [src for src in sources if src.promote and src.backend == "pread"]
+    cold = [src for src in sources if src.promote]
     streams = min(threads, STREAM_FDS // len(cold)) if cold else 1
     if streams < 2:
         return plan

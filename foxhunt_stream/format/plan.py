@@ -16,14 +16,16 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Collection, NamedTuple, Sequence
+from typing import Callable, Collection, Iterable, NamedTuple, Sequence, TypeVar
 
 from .dtypes import DType
 from .header import TensorInfo
 from .indexing import Run, slice_runs
 
 __all__ = ["Run", "Chunk", "Destination", "LoadPlan", "Selection", "split_run", "plan_load", "plan_save",
-           "small_chunks_last", "take_in_turn"]
+           "small_chunks_last", "in_turn", "take_in_turn"]
+
+T = TypeVar("T")
 
 
 class Chunk(NamedTuple):
@@ -169,6 +171,14 @@ def small_chunks_last(plan: LoadPlan, chunk_bytes: int) -> LoadPlan:
     return LoadPlan(plan.destinations, tuple(big + small), plan.chunks_per_dest)
 
 
+_NONE = object()   # in_turn's filler: no item of a group is ever it
+
+
+def in_turn(groups: Iterable[Sequence[T]]) -> list[T]:
+    """Every group's first item, then every group's second, and so on."""
+    return [x for turn in itertools.zip_longest(*groups, fillvalue=_NONE) for x in turn if x is not _NONE]
+
+
 def take_in_turn(plan: LoadPlan, group_of: Callable[[Chunk], object]) -> LoadPlan:
     """The plan with, in each file, the chunks that ``group_of`` puts in a group (not None) taken
     from the groups in turn: every group's first chunk, then every group's second, and so on, in
@@ -188,8 +198,7 @@ def take_in_turn(plan: LoadPlan, group_of: Callable[[Chunk], object]) -> LoadPla
         return plan
     chunks = list(plan.chunks)
     for f, where in places.items():
-        turns = itertools.zip_longest(*groups[f].values())
-        for i, c in zip(where, (c for turn in turns for c in turn if c is not None)):
+        for i, c in zip(where, in_turn(groups[f].values())):
             chunks[i] = c
     return LoadPlan(plan.destinations, tuple(chunks), plan.chunks_per_dest)
 

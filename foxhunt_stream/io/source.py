@@ -155,10 +155,10 @@ class FileSource:
 
     def _fd_at(self, offset: int) -> int:
         """The descriptor that reads ``offset``."""
-        fds = self._stream_fds
-        if fds is None:
+        k = self.stream(offset)
+        if k is None:
             return self.fd
-        k = stream_of(offset, self.expected_size or 0, len(fds))
+        fds = self._stream_fds
         fd = fds[k]
         if fd < 0:
             with self._lock:

@@ -128,9 +128,10 @@ def _coerce(name: str, value):
     return value
 
 
-# FOXHUNT_* variables read elsewhere: cuda.runtime's choice of CUDA runtime, and the project's
-# own test and benchmark knobs. Any other FOXHUNT_* name is a misspelling, warned about once.
-OTHER_VARIABLES = ("FOXHUNT_CUDART", "FOXHUNT_STRESS_SECONDS", "FOXHUNT_BENCH_BYTES")
+# FOXHUNT_* variables read elsewhere: cuda.runtime's choice of CUDA runtime, cuda.native's switch,
+# and the project's own test and benchmark knobs. Any other FOXHUNT_* name is a misspelling, warned
+# about once.
+OTHER_VARIABLES = ("FOXHUNT_CUDART", "FOXHUNT_NATIVE", "FOXHUNT_STRESS_SECONDS", "FOXHUNT_BENCH_BYTES")
 _warned: set[str] = set()
 
 

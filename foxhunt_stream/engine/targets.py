@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from ..cuda import native
 from ..cuda import runtime as cudart
 from ..cuda.devices import context, use_device
 from ..format.plan import Chunk, Run
@@ -128,6 +129,7 @@ class CudaTarget:
         self.n_slots = n_slots
         self.per_worker = max(1, n_slots // max(1, threads))   # defaults: 32 slots / 16 workers = 2
         self._rt = cudart.runtime()
+        self._native = native.lander()   # None: the steps of a contiguous chunk run in Python
         self._rings: dict[int, _Ring] = {}
 
     def pool(self) -> StagingPool:
@@ -219,14 +221,18 @@ class CudaTarget:
                  progress: Callable[[int], None] | None = None) -> None:
         """``land`` every chunk of ``chunks`` (a load nobody waits on chunk by chunk), with nothing
         per contiguous chunk of a ``plain`` source but its steps: wait for the slot, one positional
-        read, one async copy, one event record. Bytes read are counted once per source at the end.
+        read, one async copy, one event record, in one native call where the library was built
+        (``cuda.native``). Bytes read are counted once per source at the end.
 
         Per-chunk Python runs under the GIL that every worker shares, and what one worker spends
         there the others wait for inside their next runtime call; other chunks (strided spans,
         gathers, O_DIRECT, a test's fault hook) go through ``land``. ``buffers[d]`` is the
-        destination once it exists, ``buffer_of(d)`` makes it (after the chunk's read);
-        ``progress(nbytes)`` is told of the bytes queued every ``PROGRESS_BYTES`` or so."""
+        destination once it exists, ``buffer_of(d)`` makes it (after the chunk's read: such a
+        chunk takes the Python steps); ``progress(nbytes)`` is told of the bytes queued every
+        ``PROGRESS_BYTES`` or so."""
         rt = self._rt
+        lander = self._native
+        native_land, driver = (lander.land, lander.driver) if lander is not None else (None, 0)
         ring = self._rings.get(worker) or self._ring(worker)
         arrays = [slot.array for slot in ring.slots]
         views = [memoryview(a) for a in arrays]
@@ -248,22 +254,28 @@ class CudaTarget:
                     k = ring.next
                     untold += run.nbytes
                     continue
-                if pending[k]:
-                    rt.eventSynchronize(events[k])   # the slot's last copy is done: overwrite it
-                pending[k] = True
                 n = run.width
-                try:
-                    got = preadv(fds[f], [views[k][:n]], run.src)
-                except OSError:
-                    got = 0
-                if got != n:   # short or failed: read_into finishes it or says why, naming the file
-                    sources[f].read_into(arrays[k][got:n], run.src + got)
-                counted[f] += got
                 buf = buffers[d]
-                if buf is None:
-                    buf = buffer_of(d)
-                rt.memcpyAsync(buf.ptr + run.dst, ptrs[k], n, H2D, stream)
-                self._record(ring, k)
+                if native_land is not None and buf is not None:
+                    got = native_land(driver, fds[f], run.src, n, ptrs[k], events[k], pending[k], buf.ptr + run.dst,
+                                      stream)
+                    pending[k] = True
+                    counted[f] += n if got == n else self._resume(ring, k, sources[f], run, buf, got)
+                else:
+                    if pending[k]:
+                        rt.eventSynchronize(events[k])   # the slot's last copy is done: overwrite it
+                    pending[k] = True
+                    try:
+                        got = preadv(fds[f], [views[k][:n]], run.src)
+                    except OSError:
+                        got = 0
+                    if got != n:   # short or failed: read_into finishes it or says why, naming the file
+                        sources[f].read_into(arrays[k][got:n], run.src + got)
+                    counted[f] += got
+                    if buf is None:
+                        buf = buffer_of(d)
+                    rt.memcpyAsync(buf.ptr + run.dst, ptrs[k], n, H2D, stream)
+                    self._record(ring, k)
                 k = (k + 1) % n_slots
                 untold += n
                 if progress is not None and untold >= PROGRESS_BYTES:
@@ -276,6 +288,25 @@ class CudaTarget:
                     src.count(n)
             if progress is not None and untold:
                 progress(untold)
+
+    def _resume(self, ring: _Ring, k: int, source: FileSource, run: Run, buf: Buffer, got: int) -> int:
+        """Finish a contiguous chunk the native call left undone: ``got`` bytes read (a short or
+        failed read), or the CUDA step that failed. The same step in Python completes it or raises
+        the error, naming the file or the call. Returns the bytes the native call read (the
+        caller counts them; ``read_into`` counts its own)."""
+        rt = self._rt
+        n = run.width
+        counted = n
+        if got == native.SYNC_FAILED:
+            rt.eventSynchronize(ring.events[k].ptr)
+            got = counted = 0
+        if 0 <= got < n:
+            source.read_into(ring.slots[k].array[got:n], run.src + got)
+            counted = got
+        if got >= 0 or got == native.COPY_FAILED:
+            rt.memcpyAsync(buf.ptr + run.dst, ring.ptrs[k], n, H2D, ring.stream_ptr)
+        self._record(ring, k)
+        return counted
 
     def _record(self, ring: _Ring, k: int) -> None:
         """Record slot ``k``'s event after the copy just queued from it on the ring's stream."""

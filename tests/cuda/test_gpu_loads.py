@@ -308,3 +308,23 @@ def test_load_to_second_gpu_if_present(tmp_path, cp):
     out = fs.load_file(tmp_path / "m.safetensors", device="cuda:1")
     assert out["a"].device.id == 1
     assert _bytes_of(out["a"], cp) == raw["a"]
+
+
+def test_plain_load_lands_contiguous_chunks_in_native_calls(tmp_path, cp, monkeypatch):
+    """A plain load to one GPU takes one native call per contiguous chunk where the library is
+    built, and lands the same bytes as the Python steps (``FOXHUNT_NATIVE=0``)."""
+    from foxhunt_stream.cuda import native
+    if native.library() is None:
+        pytest.skip("the native library is not built here (no compiler at install)")
+    specs = [(f"w{i}", "BF16", (257 + 31 * i, 1000)) for i in range(6)] + [("norm", "F32", (1000,))]
+    raw = write_random_file(tmp_path / "m.safetensors", specs)
+    landed = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("FOXHUNT_NATIVE", switch)
+        before = native.landed_chunks()
+        out = fs.load_file(tmp_path / "m.safetensors", device="cuda:0", framework="cupy", chunk_bytes=64 << 10,
+                           staging_bytes=1 << 20, threads=4)
+        landed[switch] = native.landed_chunks() - before
+        assert {n: _bytes_of(a, cp) for n, a in out.items()} == raw, switch
+    total = sum(len(b) for b in raw.values())
+    assert landed["1"] >= total // (64 << 10) and landed["0"] == 0, landed

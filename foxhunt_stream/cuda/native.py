@@ -8,11 +8,12 @@ bytes they carry (a tensor-parallel rank's row shard): on the H200 machine the b
 moved rank 0 of TP=8's rows (2.008 GB, 641 chunks) in 43.9 ms with one native call per chunk
 against 46.7 ms with the Python steps, and a full load's chunks equally fast either way.
 
-``lander()`` hands out the function and the CUDA driver's entry points it calls, or None when
-the library was not built (no compiler at install), is switched off (``FOXHUNT_NATIVE=0``) or
-there is no CUDA driver; the worker then runs the same steps in Python. The driver's calls are
-used, not a runtime's: cupy's runtime and the one torch loads hand out the same driver streams
-and events, so one pointer table serves both.
+``lander_for(runtime)`` hands out the function and the CUDA driver's entry points it calls, or
+None when the library was not built (no compiler at install), is switched off
+(``FOXHUNT_NATIVE=0``), there is no CUDA driver, or the pipeline's runtime is not a real one (a
+test's stand-in); the worker then runs the same steps in Python. The driver's calls are used,
+not a runtime's: cupy's runtime and the one torch loads hand out the same driver streams and
+events, so one pointer table serves both.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import importlib.machinery
 import os
 from ctypes import c_int, c_int64, c_uint64, c_void_p
 from typing import Any, Callable, NamedTuple
+
+from . import libcudart
 
 ABI = 1   # native_land.c's FOXHUNT_LAND_ABI: a library built from another version is not used
 # what land_chunk returns when a CUDA call failed (else the bytes it read)
@@ -104,6 +107,22 @@ def lander(driver: Driver | None = None, keep: Any = None) -> Lander | None:
     if lib is None or driver is None:
         return None
     return Lander(lib.foxhunt_land_chunk, ctypes.addressof(driver), (driver, keep))
+
+
+def backs(rt: Any) -> bool:
+    """Whether the runtime object ``rt`` calls a real CUDA runtime library, so that its streams and
+    events are the driver's: cupy's compiled wrapper, or a ``LibCudart`` on a library file that
+    exists. A stand-in (a test's runtime of host memory) is not, and the driver must never see
+    its handles."""
+    if isinstance(rt, libcudart.LibCudart):
+        return bool(rt.path) and os.path.isfile(rt.path)
+    origin = getattr(rt, "__file__", None) or ""
+    return origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def lander_for(rt: Any) -> Lander | None:
+    """The native landing for a pipeline calling the runtime ``rt``, or None (see ``lander``, ``backs``)."""
+    return lander() if backs(rt) else None
 
 
 def landed_chunks() -> int:

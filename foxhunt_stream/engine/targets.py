@@ -129,7 +129,7 @@ class CudaTarget:
         self.n_slots = n_slots
         self.per_worker = max(1, n_slots // max(1, threads))   # defaults: 32 slots / 16 workers = 2
         self._rt = cudart.runtime()
-        self._native = native.lander()   # None: the steps of a contiguous chunk run in Python
+        self._native = native.lander_for(self._rt)   # None: a contiguous chunk's steps run in Python
         self._rings: dict[int, _Ring] = {}
 
     def pool(self) -> StagingPool:

@@ -7,6 +7,8 @@ finishing in Python whatever the native call left undone. The real GPU path is i
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -36,6 +38,29 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert not native.enabled() and native.lander(native.Driver()) is None
     monkeypatch.setenv("FOXHUNT_NATIVE", "1")
     assert native.enabled()
+
+
+@needs_library
+def test_only_a_real_runtime_gets_the_native_landing(monkeypatch, tmp_path):
+    """The driver must never be handed a stand-in's streams and events (host memory): only cupy's
+    compiled runtime or a ``LibCudart`` on a library file that exists gets the native landing."""
+    from types import SimpleNamespace
+
+    from foxhunt_stream.cuda.libcudart import LibCudart
+    spec = importlib.util.spec_from_file_location("cudart_standin", os.path.join(FAKE, "cudart_standin.py"))
+    standin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standin)
+    monkeypatch.setattr(native, "_cuda_driver", lambda: native.Driver())   # as on a machine with a GPU
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    assert native.lander_for(SimpleNamespace(__file__="/x/cupy_backends/cuda/api/runtime" + suffix)) is not None
+    assert native.lander_for(SimpleNamespace(__file__="/x/fakecuda/cupy_backends/cuda/api/runtime.py")) is None
+    assert native.lander_for(SimpleNamespace()) is None
+    lib = standin.StandIn()
+    assert native.lander_for(LibCudart(lib, "/site-packages/nvidia/cu13/lib/libcudart.so.13")) is None
+    assert native.lander_for(LibCudart(lib, "")) is None
+    real = tmp_path / "libcudart.so.13"
+    real.write_bytes(b"")
+    assert native.lander_for(LibCudart(lib, str(real))) is not None
 
 
 HTOD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)

@@ -5,8 +5,9 @@ call moves that plan's chunks the way the pipeline does and nothing else: ``thre
 chunks in plan order, each reads its chunk with one ``os.preadv`` into one of its two pinned slots
 and queues one ``cudaMemcpyAsync`` and one event record on its own stream, waiting on the slot's
 event before reusing it. The destination is one buffer allocated before the first call. No header
-is parsed, nothing is planned, allocated or checked during a call; threads are started per call,
-as a load starts them. On the CPU the copy is a memcpy into a host buffer, on the worker.
+is parsed, nothing is planned, allocated or checked during a call; the threads are the library's
+parked workers (``engine.workers``), woken per call as a load wakes them. On the CPU the copy is
+a memcpy into a host buffer, on the worker.
 
 It measures what the hardware and a Python pipeline give a plan's bytes, so that a load's figure
 can be split into that floor and what the load adds (setup, allocation, bookkeeping). Only plans
@@ -24,6 +25,7 @@ chunk sizes, beside the library's own loads of the same plans:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -31,9 +33,8 @@ import sys
 import numpy as np
 
 from foxhunt_stream import settings as _settings
-from foxhunt_stream.cli.ceilings import parallel
 from foxhunt_stream.cuda.devices import parse_device
-from foxhunt_stream.engine import loader
+from foxhunt_stream.engine import loader, workers
 from foxhunt_stream.io.checkpoint import open_checkpoint, select
 
 SLOTS_PER_THREAD = 2
@@ -92,8 +93,18 @@ class Floor:
     def __call__(self) -> None:
         counter = itertools.count()
         work = self._gpu_worker if self.device.is_cuda else self._host_worker
-        # one item per worker (its slots): the threads share the chunks through ``counter``
-        parallel(range(self.threads), lambda _thread, w: work(w, counter), self.threads)
+        errors: list[BaseException] = []
+
+        def run(w: int) -> None:
+            try:
+                work(w, counter)   # the threads share the chunks through ``counter``
+            except BaseException as e:  # noqa: BLE001 - raised by the caller
+                errors.append(e)
+        tasks = [workers.run(functools.partial(run, w), f"floor-{w}") for w in range(self.threads)]
+        for t in tasks:
+            t.join()
+        if errors:
+            raise errors[0]
 
     def _gpu_worker(self, w: int, counter) -> None:
         from foxhunt_stream.cuda.devices import use_device

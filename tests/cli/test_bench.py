@@ -164,3 +164,16 @@ def test_bench_without_safetensors_says_it_left_the_comparisons_out(tmp_path):
     note = "safetensors is not installed: its comparison rows are left out (pip install safetensors"
     assert f"note: {note}" in r.stdout
     assert note in r.stderr
+
+
+def test_bench_says_when_gpu_loads_would_not_land_natively(monkeypatch):
+    """On a GPU, the bench's notes say so when the install left out the native chunk landing (no
+    compiler) or FOXHUNT_NATIVE turned it off: loads there take the Python steps."""
+    from foxhunt_stream.cli import bench
+    from foxhunt_stream.cuda import native
+    monkeypatch.setattr(bench.cudart, "runtime", lambda: "a runtime")
+    monkeypatch.setattr(native, "lander_for", lambda rt: None)
+    assert not bench._lands_natively()
+    monkeypatch.setattr(native, "lander_for", lambda rt: native.Lander(lambda *a: 0, 0))
+    assert bench._lands_natively()
+    assert "FOXHUNT_NATIVE" in bench.NO_NATIVE_NOTE and "native_land.c" in bench.NO_NATIVE_NOTE

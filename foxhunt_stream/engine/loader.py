@@ -59,8 +59,8 @@ def read_backends(ck: Checkpoint, s: _settings.Settings, needs: Sequence[int] | 
 def file_bytes(plan: LoadPlan, n_files: int) -> list[int]:
     """The bytes a plan reads from each of ``n_files`` files (a strided run: its whole span)."""
     out = [0] * n_files
-    for c in plan.chunks:
-        out[c.file] += c.run.span
+    for f, _, (_, pitch, width, height, _) in plan.chunks:   # Run.span, written out: once per chunk
+        out[f] += width if height == 1 else (height - 1) * pitch + width if height else 0
     return out
 
 

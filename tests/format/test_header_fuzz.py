@@ -26,7 +26,9 @@ from hypothesis import strategies as st
 
 import foxhunt_stream as fs
 from foxhunt_stream import FormatError
-from foxhunt_stream.format.header import parse_header
+from foxhunt_stream.format.dtypes import DTYPES
+from foxhunt_stream.format.header import (TensorInfo, _check_size, _checked_tensor_info, _data_len, _tensor_info,
+                                          parse_header)
 from format_support import build, documented_stricter, expected_bytes, mutate, reference_verdict, seed_files
 
 SEEDS = seed_files()
@@ -184,3 +186,61 @@ def test_mutators_reach_every_verdict():
     assert rules >= {"header-too-small", "header-too-large", "header-length", "header-utf8", "header-json",
                      "header-not-object", "metadata-type", "tensor-entry", "unknown-dtype", "offsets-tiling",
                      "size-mismatch", "incomplete-buffer", "duplicate-key"}, rules
+
+
+# ---------------------------------------------------------------- the one-pass checks agree with the rules
+
+_EDGES = st.sampled_from([-1, 2**64, 2**64 - 1, 0, True, 1.0, None, "1"])
+_VALUES = st.one_of(st.integers(-3, 2**64 + 2), st.booleans(), st.floats(allow_nan=False, width=32), st.none(),
+                    st.text(max_size=3))
+
+
+@st.composite
+def _entries(draw):
+    """A well-formed tensor entry, then maybe an edit: a field's value, one dim or one offset
+    replaced, a field dropped, an unknown field added."""
+    entry = {"dtype": draw(st.sampled_from(sorted(DTYPES))), "shape": draw(st.lists(st.integers(0, 9), max_size=3)),
+             "data_offsets": sorted(draw(st.lists(st.integers(0, 99), min_size=2, max_size=2)))}
+    edit = draw(st.sampled_from(["none", "value", "dim", "offset", "drop", "add"]))
+    key = draw(st.sampled_from(["dtype", "shape", "data_offsets"]))
+    if edit == "value":
+        entry[key] = draw(st.one_of(_VALUES, st.sampled_from(["f32", "X"]), st.lists(_VALUES, max_size=3)))
+    elif edit == "dim" and entry["shape"]:
+        entry["shape"][draw(st.integers(0, len(entry["shape"]) - 1))] = draw(_EDGES)
+    elif edit == "offset":
+        entry["data_offsets"][draw(st.integers(0, 1))] = draw(_EDGES)
+    elif edit == "drop":
+        del entry[key]
+    elif edit == "add":
+        entry["extra"] = draw(_VALUES)
+    return entry
+
+
+def _verdict(fn, *args):
+    try:
+        return fn(*args)
+    except FormatError as e:
+        return (e.rule, e.tensor)
+
+
+@bounded(600)
+@given(entry=st.one_of(_entries(), st.lists(_VALUES, max_size=3), _VALUES))
+def test_entry_fast_path_agrees_with_the_rules(entry):
+    """``_tensor_info`` takes well-formed entries in one pass: for any entry it must give what the
+    rule-by-rule ``_checked_tensor_info`` gives, the same TensorInfo or the same error."""
+    assert _verdict(_tensor_info, "t", entry) == _verdict(_checked_tensor_info, "t", entry)
+
+
+@bounded(400)
+@given(dtype=st.sampled_from(sorted(DTYPES)),
+       shape=st.lists(st.one_of(st.integers(0, 5), st.sampled_from([2**20, 2**32, 2**40, 2**63])), max_size=4),
+       delta=st.sampled_from([0, 0, 1, -1, 2**64]))
+def test_size_fast_check_agrees_with_the_rules(dtype, shape, delta):
+    """``_data_len`` checks each size in one pass and leaves the rest to ``_check_size``: a tensor
+    passes it exactly when it passes ``_check_size`` (zero dims after huge ones included)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    end = max(0, numel * DTYPES[dtype].bits // 8 + delta)
+    info = TensorInfo("t", DTYPES[dtype], tuple(shape), 0, end)
+    assert _verdict(_data_len, [info]) == (end if _verdict(_check_size, info) is None else _verdict(_check_size, info))

@@ -158,19 +158,22 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
 
 
 def small_chunks_last(plan: LoadPlan, chunk_bytes: int) -> LoadPlan:
-    """The plan with its chunks of less than half ``chunk_bytes`` (of span) moved to the end,
-    both groups kept in their order.
+    """The plan with its chunks of less than a quarter of ``chunk_bytes`` (of span) moved to the
+    end, both groups kept in their order.
 
-    The workers take chunks in plan order; the last ones decide when the load ends. A TP rank's
-    plan mixes 8 MiB pieces with small slices (k/v projections, norms): ending on the small ones
-    leaves the workers finishing together instead of some idling while others copy a last big
-    piece. For loads awaited whole: a caller waiting for single tensors wants plan order."""
-    half = chunk_bytes // 2
+    The workers take chunks in plan order; the last ones decide when the load ends. Ending on the
+    smallest (norms, biases) leaves the workers finishing together instead of some idling while
+    others copy a last big piece. Mid-sized slices (a TP rank's k/v rows, the tail of a cut
+    tensor) keep their places: on the H200 machine, with 4 MiB reads, moving the chunks under
+    2 MiB to the end made rank 0 of TP=8 slower than moving those under 1 MiB (rows 49.3 against
+    47.5 ms, a Llama plan 50.9 against 47.4 ms; 9 interleaved rounds). For loads awaited whole: a
+    caller waiting for single tensors wants plan order."""
+    quarter = chunk_bytes // 4
     big, small = [], []
     for c in plan.chunks:
         _, pitch, width, height, _ = c.run   # Run.span, written out: once per chunk of a load
         span = width if height == 1 else (height - 1) * pitch + width if height else 0
-        (small if span < half else big).append(c)
+        (small if span < quarter else big).append(c)
     if not small or not big:
         return plan
     return LoadPlan(plan.destinations, tuple(big + small), plan.chunks_per_dest)

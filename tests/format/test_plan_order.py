@@ -13,16 +13,16 @@ from plan_support import plan_of_sizes
 
 
 def test_small_chunks_go_last_in_their_order_and_big_ones_keep_theirs():
-    plan = plan_of_sizes([16, 3, 9, 1, 4, 8], chunk=8)   # chunks: 8 8 | 3 | 8 1 | 1 | 4 | 8
+    plan = plan_of_sizes([16, 3, 9, 1, 4, 8, 1], chunk=8)   # chunks: 8 8 | 3 | 8 1 | 1 | 4 | 8 | 1
     out = small_chunks_last(plan, 8)
     assert sorted(out.chunks, key=plan.chunks.index) == list(plan.chunks)   # a permutation
     spans = [c.run.span for c in out.chunks]
-    assert spans == [8, 8, 8, 4, 8, 3, 1, 1]
-    assert [c for c in out.chunks if c.run.span < 4] == [c for c in plan.chunks if c.run.span < 4]
+    assert spans == [8, 8, 3, 8, 4, 8, 1, 1, 1]   # under a quarter of 8 last; 3 and 4 keep their places
+    assert [c for c in out.chunks if c.run.span < 2] == [c for c in plan.chunks if c.run.span < 2]
     assert out.destinations == plan.destinations and out.chunks_per_dest == plan.chunks_per_dest
 
 
-@pytest.mark.parametrize("sizes", [[8, 8, 16], [1, 2, 3], []])
+@pytest.mark.parametrize("sizes", [[8, 8, 16, 2], [1, 1, 1], []])
 def test_a_plan_of_one_kind_is_returned_as_is(sizes):
     plan = plan_of_sizes(sizes, chunk=8)
     assert small_chunks_last(plan, 8) is plan

@@ -253,7 +253,7 @@ def _metadata(value) -> dict[str, str] | None:
     return value
 
 
-def _check_size(t: TensorInfo) -> None:
+def check_size(t: TensorInfo) -> None:
     """dtype x shape must be a whole number of bytes, within 64 bits, and span the tensor's offsets."""
     # Overflow is checked on every partial product, as the reference's checked_mul fold does:
     # [2**40, 2**40, 0] is rejected although it holds no element.
@@ -274,7 +274,7 @@ def _check_size(t: TensorInfo) -> None:
                           f"{t.end - t.start}", tensor=t.name)
 
 
-def _data_len(infos: list[TensorInfo]) -> int:
+def tile_data_region(infos: list[TensorInfo]) -> int:
     """Sort ``infos`` into file order, check that they tile the data region (no gap, no overlap)
     and that each one's size fits its offsets; returns the data region's length."""
     infos.sort(key=_BY_OFFSETS)
@@ -293,7 +293,7 @@ def _data_len(infos: list[TensorInfo]) -> int:
         # with no zero dim the partial products only grow: the last one bounds them all; anything
         # else (an empty tensor, a size that does not fit) takes the rule by rule check
         if not numel or numel > _U64_MAX or nbits > _U64_MAX or nbits != (end - start) * 8:
-            _check_size(t)
+            check_size(t)
     return pos
 
 
@@ -309,8 +309,8 @@ def parse_header(header_bytes: bytes, file_size: int) -> Header:
     n, raw, text = _header_text(header_bytes, file_size)
     obj = _header_object(raw, text)
     metadata = _metadata(obj.pop("__metadata__", None))
-    infos = [_tensor_info(name, entry) for name, entry in obj.items()]
-    end = _data_len(infos)
+    infos = [tensor_info(name, entry) for name, entry in obj.items()]
+    end = tile_data_region(infos)
     if N_LEN + n + end != file_size:
         raise FormatError("incomplete-buffer",
                           f"data region should end at byte {N_LEN + n + end} but the file has {file_size} bytes")
@@ -319,10 +319,10 @@ def parse_header(header_bytes: bytes, file_size: int) -> Header:
     return header
 
 
-def _tensor_info(name: str, entry) -> TensorInfo:
+def tensor_info(name: str, entry) -> TensorInfo:
     """The entry of tensor ``name``, validated. The common case (an object of exactly the three
     fields, a known dtype, integer dims and offsets in range) passes every check of
-    ``_checked_tensor_info`` in one pass; anything else goes through it, rule by rule."""
+    ``tensor_info_by_rules`` in one pass; anything else goes through it, rule by rule."""
     if type(entry) is dict and len(entry) == 3:
         dt, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if type(dt) is str and dt in DTYPES and type(shape) is list and type(offs) is list and len(offs) == 2:
@@ -333,13 +333,13 @@ def _tensor_info(name: str, entry) -> TensorInfo:
                         break
                 else:
                     return _new_tuple(TensorInfo, (name, DTYPES[dt], tuple(shape), start, end))
-    return _checked_tensor_info(name, entry)
+    return tensor_info_by_rules(name, entry)
 
 
 _new_tuple = tuple.__new__   # TensorInfo(...) without its Python-level __new__
 
 
-def _checked_tensor_info(name: str, entry) -> TensorInfo:
+def tensor_info_by_rules(name: str, entry) -> TensorInfo:
     if isinstance(entry, _Duplicate):
         raise FormatError("duplicate-key", f"field {entry.key!r} appears twice", tensor=name)
     if not isinstance(entry, dict):

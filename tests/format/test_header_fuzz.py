@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 import foxhunt_stream as fs
 from foxhunt_stream import FormatError
 from foxhunt_stream.format.dtypes import DTYPES
-from foxhunt_stream.format.header import (TensorInfo, _check_size, _checked_tensor_info, _data_len, _tensor_info,
-                                          parse_header)
+from foxhunt_stream.format.header import (TensorInfo, check_size, parse_header, tensor_info, tensor_info_by_rules,
+                                          tile_data_region)
 from format_support import build, documented_stricter, expected_bytes, mutate, reference_verdict, seed_files
 
 SEEDS = seed_files()
@@ -226,9 +226,9 @@ def _verdict(fn, *args):
 @bounded(600)
 @given(entry=st.one_of(_entries(), st.lists(_VALUES, max_size=3), _VALUES))
 def test_entry_fast_path_agrees_with_the_rules(entry):
-    """``_tensor_info`` takes well-formed entries in one pass: for any entry it must give what the
-    rule-by-rule ``_checked_tensor_info`` gives, the same TensorInfo or the same error."""
-    assert _verdict(_tensor_info, "t", entry) == _verdict(_checked_tensor_info, "t", entry)
+    """``tensor_info`` takes well-formed entries in one pass: for any entry it must give what the
+    rule-by-rule ``tensor_info_by_rules`` gives, the same TensorInfo or the same error."""
+    assert _verdict(tensor_info, "t", entry) == _verdict(tensor_info_by_rules, "t", entry)
 
 
 @bounded(400)
@@ -236,11 +236,12 @@ def test_entry_fast_path_agrees_with_the_rules(entry):
        shape=st.lists(st.one_of(st.integers(0, 5), st.sampled_from([2**20, 2**32, 2**40, 2**63])), max_size=4),
        delta=st.sampled_from([0, 0, 1, -1, 2**64]))
 def test_size_fast_check_agrees_with_the_rules(dtype, shape, delta):
-    """``_data_len`` checks each size in one pass and leaves the rest to ``_check_size``: a tensor
-    passes it exactly when it passes ``_check_size`` (zero dims after huge ones included)."""
+    """``tile_data_region`` checks each size in one pass and leaves the rest to ``check_size``: a tensor
+    passes it exactly when it passes ``check_size`` (zero dims after huge ones included)."""
     numel = 1
     for s in shape:
         numel *= s
     end = max(0, numel * DTYPES[dtype].bits // 8 + delta)
     info = TensorInfo("t", DTYPES[dtype], tuple(shape), 0, end)
-    assert _verdict(_data_len, [info]) == (end if _verdict(_check_size, info) is None else _verdict(_check_size, info))
+    by_rules = _verdict(check_size, info)
+    assert _verdict(tile_data_region, [info]) == (end if by_rules is None else by_rules)

@@ -340,6 +340,8 @@ _new_tuple = tuple.__new__   # TensorInfo(...) without its Python-level __new__
 
 
 def tensor_info_by_rules(name: str, entry) -> TensorInfo:
+    """The entry of tensor ``name`` checked rule by rule: the first rule it breaks is the
+    FormatError raised, naming the tensor."""
     if isinstance(entry, _Duplicate):
         raise FormatError("duplicate-key", f"field {entry.key!r} appears twice", tensor=name)
     if not isinstance(entry, dict):

@@ -166,8 +166,9 @@ def small_chunks_last(plan: LoadPlan, chunk_bytes: int) -> LoadPlan:
     others copy a last big piece. Mid-sized slices (a TP rank's k/v rows, the tail of a cut
     tensor) keep their places: on the H200 machine, with 4 MiB reads, moving the chunks under
     2 MiB to the end made rank 0 of TP=8 slower than moving those under 1 MiB (rows 49.3 against
-    47.5 ms, a Llama plan 50.9 against 47.4 ms; 9 interleaved rounds). For loads awaited whole: a
-    caller waiting for single tensors wants plan order."""
+    47.5 ms, a Llama plan 50.9 against 47.4 ms; 2026-12-02, 9 interleaved rounds, in
+    benchmarks/results/tp_setup_2026-12-02.txt). For loads awaited whole: a caller waiting for
+    single tensors wants plan order."""
     quarter = chunk_bytes // 4
     big, small = [], []
     for c in plan.chunks:

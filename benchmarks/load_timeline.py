@@ -29,7 +29,7 @@ import foxhunt_stream as fs
 from foxhunt_stream.engine import inflight, loader, pipeline
 from foxhunt_stream.io import mapping
 
-STEPS = ["open_checkpoint", "indices_for", "gathering_files", "plan_selections", "open_sources"]
+STEPS = ["open_resolved", "indices_for", "gathering_files", "plan_selections", "open_sources"]
 ORDER = STEPS + ["worker start", "chunk start", "LoadInFlight()", "chunk end", "worker end", "returned"]
 
 

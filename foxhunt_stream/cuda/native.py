@@ -23,12 +23,14 @@ import functools
 import glob
 import importlib.machinery
 import os
-from ctypes import c_int, c_int64, c_uint64, c_void_p
+from ctypes import POINTER, c_int, c_int32, c_int64, c_uint64, c_void_p
 from typing import Any, Callable, NamedTuple
+
+import numpy as np
 
 from . import libcudart
 
-ABI = 1   # native_land.c's FOXHUNT_LAND_ABI: a library built from another version is not used
+ABI = 2   # native_land.c's FOXHUNT_LAND_ABI: a library built from another version is not used
 # what land_chunk returns when a CUDA call failed (else the bytes it read)
 SYNC_FAILED, COPY_FAILED, RECORD_FAILED = -1, -2, -3
 LIBRARY_NAME = "_native_land"
@@ -43,11 +45,62 @@ class Driver(ctypes.Structure):
 
 class Lander(NamedTuple):
     """``land(driver, fd, src, nbytes, slot, event, wait, dst, stream) -> int``, and the driver
-    table to pass it (its address)."""
+    table to pass it (its address); ``land_queue`` lands a ``Queue``'s records (see there)."""
 
     land: Callable[..., int]
     driver: int
     keep: Any = None   # what the driver table's pointers live in (ctypes callbacks in tests)
+    land_queue: Callable[..., int] | None = None
+
+
+RECORD = np.dtype([("fd", np.int64), ("src", np.int64), ("nbytes", np.int64), ("dst", np.uint64)])
+
+
+class _QueueHead(ctypes.Structure):
+    """``queue_t`` of native_land.c."""
+
+    _fields_ = [("records", c_void_p), ("capacity", c_int64), ("published", c_int64), ("next", c_int64),
+                ("sealed", c_int32), ("stop", c_int32)]
+
+
+class Queue:
+    """Contiguous chunks (file descriptor, file offset, bytes, device address) that one thread
+    appends and publishes while the workers, each in ``land_queue`` with the GIL released, land
+    them in order. ``capacity`` bounds the records; publishing, sealing and stopping are atomic
+    stores in C (the workers see every record written before them)."""
+
+    def __init__(self, capacity: int) -> None:
+        lib = library()
+        if lib is None:
+            raise RuntimeError("the native library is not built")
+        self._lib = lib
+        self.records = np.zeros(max(1, capacity), RECORD)
+        self.head = _QueueHead(self.records.ctypes.data, len(self.records), 0, 0, 0, 0)
+        self.ptr = ctypes.addressof(self.head)
+        self.count = 0
+
+    def append(self, fd: int, src: int, nbytes: int, dst: int) -> None:
+        if self.count >= len(self.records):
+            raise RuntimeError(f"the landing queue holds {len(self.records)} chunks; a load planned more")
+        self.records[self.count] = (fd, src, nbytes, dst)
+        self.count += 1
+
+    def publish(self) -> None:
+        """Let the workers take every record appended so far."""
+        self._lib.foxhunt_queue_publish(self.ptr, self.count)
+
+    def seal(self) -> None:
+        """No record comes after those published: a worker finding none left stops."""
+        self.publish()
+        self._lib.foxhunt_queue_seal(self.ptr)
+
+    def stop(self) -> None:
+        """The workers take no record more (a failure, a cancel)."""
+        self._lib.foxhunt_queue_stop(self.ptr)
+
+    @property
+    def stopped(self) -> bool:
+        return bool(self.head.stop)
 
 
 def enabled() -> bool:
@@ -84,6 +137,14 @@ def library() -> ctypes.CDLL | None:
                                        c_void_p]
     lib.foxhunt_landed_chunks.restype = c_int64
     lib.foxhunt_landed_chunks.argtypes = []
+    for name in ("foxhunt_queue_seal", "foxhunt_queue_stop"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [c_void_p]
+    lib.foxhunt_queue_publish.restype = None
+    lib.foxhunt_queue_publish.argtypes = [c_void_p, c_int64]
+    lib.foxhunt_land_queue.restype = c_int64
+    lib.foxhunt_land_queue.argtypes = [c_void_p, c_void_p, c_void_p, c_void_p, POINTER(c_int32), c_int32,
+                                       POINTER(c_int32), c_void_p, POINTER(c_int64), POINTER(c_int64)]
     return lib
 
 
@@ -106,7 +167,7 @@ def lander(driver: Driver | None = None, keep: Any = None) -> Lander | None:
     driver = driver if driver is not None else _cuda_driver()
     if lib is None or driver is None:
         return None
-    return Lander(lib.foxhunt_land_chunk, ctypes.addressof(driver), (driver, keep))
+    return Lander(lib.foxhunt_land_chunk, ctypes.addressof(driver), (driver, keep), lib.foxhunt_land_queue)
 
 
 def backs(rt: Any) -> bool:

@@ -11,11 +11,13 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <sched.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 #include <unistd.h>
 
-#define FOXHUNT_LAND_ABI 1
+#define FOXHUNT_LAND_ABI 2
 
 typedef int (*htod_fn)(uint64_t dst, const void *src, size_t nbytes, void *stream);
 typedef int (*record_fn)(void *event, void *stream);
@@ -62,4 +64,83 @@ int64_t foxhunt_land_chunk(const driver_t *drv, int fd, int64_t src, int64_t nby
         return LAND_RECORD_FAILED;
     __atomic_add_fetch(&landed_chunks, 1, __ATOMIC_RELAXED);
     return nbytes;
+}
+
+/* A queue of contiguous chunks that the load's caller fills while the workers land them: the
+ * caller parses, plans and allocates file by file, appends the chunks it has a destination for
+ * and publishes them; each worker loops in land_queue with the GIL released throughout, so the
+ * caller's Python runs beside the copies instead of before them. */
+typedef struct {
+    int64_t fd;
+    int64_t src;
+    int64_t nbytes;
+    uint64_t dst;
+} record_t;
+
+typedef struct {
+    record_t *records;   /* capacity records, filled in order by the caller */
+    int64_t capacity;
+    int64_t published;   /* records [0, published) may be claimed */
+    int64_t next;        /* the next record to claim */
+    int32_t sealed;      /* nothing comes after published */
+    int32_t stop;        /* claim nothing more (a failure, a cancel) */
+} queue_t;
+
+void foxhunt_queue_publish(queue_t *q, int64_t n) { __atomic_store_n(&q->published, n, __ATOMIC_RELEASE); }
+
+void foxhunt_queue_seal(queue_t *q) { __atomic_store_n(&q->sealed, 1, __ATOMIC_RELEASE); }
+
+void foxhunt_queue_stop(queue_t *q) { __atomic_store_n(&q->stop, 1, __ATOMIC_RELEASE); }
+
+/* Wait until record i is published (1), or no record will ever be there or the queue is stopped (0). */
+static int wait_published(queue_t *q, int64_t i)
+{
+    for (unsigned spins = 0;; spins++) {
+        if (i < __atomic_load_n(&q->published, __ATOMIC_ACQUIRE))
+            return 1;
+        if (__atomic_load_n(&q->stop, __ATOMIC_ACQUIRE))
+            return 0;
+        if (__atomic_load_n(&q->sealed, __ATOMIC_ACQUIRE))
+            return i < __atomic_load_n(&q->published, __ATOMIC_ACQUIRE);
+        if (spins < 64) {
+            sched_yield();
+        } else {
+            struct timespec pause = {0, 20000};   /* 20 us: the caller is planning the next file */
+            nanosleep(&pause, NULL);
+        }
+    }
+}
+
+/* Land the queue's records through this worker's ring of n_slots pinned slots and their events on
+ * stream, from slot *slot on (pending[k]: slot k's event stands for a copy in flight), until the
+ * queue is sealed and drained or stopped. Returns the records landed. *failed is -1 then, or the
+ * index of a record land_chunk could not finish, with its result in *code (the caller finishes or
+ * reports it in Python, then calls again); *slot is the slot that record was read into. */
+int64_t foxhunt_land_queue(const driver_t *drv, queue_t *q, char *const *slots, void *const *events,
+                           int32_t *pending, int32_t n_slots, int32_t *slot, void *stream, int64_t *failed,
+                           int64_t *code)
+{
+    int64_t landed = 0;
+    int32_t k = *slot;
+    *failed = -1;
+    for (;;) {
+        if (__atomic_load_n(&q->stop, __ATOMIC_ACQUIRE))
+            break;
+        int64_t i = __atomic_fetch_add(&q->next, 1, __ATOMIC_ACQ_REL);
+        if (i >= q->capacity || !wait_published(q, i))
+            break;
+        const record_t *r = &q->records[i];
+        int64_t got = foxhunt_land_chunk(drv, (int)r->fd, r->src, r->nbytes, slots[k], events[k], pending[k], r->dst,
+                                         stream);
+        if (got != r->nbytes) {
+            *failed = i;
+            *code = got;
+            break;
+        }
+        pending[k] = 1;
+        k = (k + 1) % n_slots;
+        landed++;
+    }
+    *slot = k;
+    return landed;
 }

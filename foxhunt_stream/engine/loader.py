@@ -21,8 +21,9 @@ from ..format.dtypes import host_shape
 from ..format.plan import LoadPlan, Selection, plan_load, small_chunks_last, take_in_turn
 from ..format.tp import TPSlice, indices_for, shard_shape
 from ..io import cache_policy, pagecache
-from ..io.checkpoint import Checkpoint, Names, open_checkpoint, select
+from ..io.checkpoint import Checkpoint, Names, open_checkpoint, open_resolved, resolve, select
 from ..io.source import FileSource, open_source
+from . import streamed
 from .destinations import Destinations
 from .frameworks import expected_host_dtype, framework_of
 from .handle import LoadHandle
@@ -256,7 +257,16 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
     adds ``process_group``); ``device`` may also be an already resolved ``Placement``."""
     where = device if isinstance(device, Placement) else placement(device, framework, device_map)
     s = _settings.merge(background=background, **options)
-    ck = open_checkpoint(source)
+    if isinstance(source, Checkpoint):
+        ck = source
+    else:
+        resolved = resolve(source)
+        if streamed.eligible(resolved, names, shard, s, where.device, background=background, verify=verify,
+                             progress=progress, device_map=where.device_map):
+            out = streamed.load(resolved, names, shard, s, where.device, where.for_names(())[1])
+            if out is not None:
+                return out
+        ck = open_resolved(resolved)
     chosen = select(ck, names)
     devices, fw = where.for_names(chosen)
     plan, s, verifier, sources = plan_and_open(ck, chosen, shard, s, verify, devices, whole=not background,

@@ -57,6 +57,11 @@ def _wanted(progress: bool | None, stream) -> bool:
     return bool(progress)
 
 
+def shown(progress: bool | None) -> bool:
+    """Whether ``progress`` asks for a bar on stderr (None: when stderr is a terminal)."""
+    return _wanted(progress, sys.stderr)
+
+
 def progress_bar(total_bytes: int, desc: str, progress: bool | None = None, stream=None) -> Progress:
     """A bar over ``total_bytes`` (or the no-op NO_PROGRESS when none is wanted or possible)."""
     if progress is not None and not isinstance(progress, bool):

@@ -13,6 +13,7 @@ the saver's direction (device bytes -> pinned memory, for writing).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from typing import Callable, Iterable, Sequence
@@ -109,6 +110,14 @@ class _Ring:
         self.next = 0
         self.stream = stream
         self.stream_ptr = stream.ptr
+
+
+class _Address:
+    """A destination known by its device address alone (a queued record's)."""
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
 
 
 class CudaTarget:
@@ -288,6 +297,43 @@ class CudaTarget:
                     src.count(n)
             if progress is not None and untold:
                 progress(untold)
+
+    @property
+    def lands_queues(self) -> bool:
+        """Whether ``land_queue`` can run here (the native library, a real CUDA runtime)."""
+        return self._native is not None and self._native.land_queue is not None
+
+    def land_queue(self, worker: int, queue: native.Queue, source_of_fd: dict[int, FileSource]) -> None:
+        """Land ``queue``'s records until it is sealed and drained, or stopped: the loop runs in C
+        with the GIL released (``native_land.c``), so a caller filling the queue runs beside it.
+        A record the native call could not finish (a short read, a failed CUDA step) is finished
+        or reported here, naming the file, and the loop goes on; an error stops the queue."""
+        lander = self._native
+        use_device(self.index)
+        ring = self._rings.get(worker) or self._ring(worker)
+        n = len(ring.slots)
+        slots = (ctypes.c_void_p * n)(*ring.ptrs)
+        events = (ctypes.c_void_p * n)(*[ev.ptr for ev in ring.events])
+        pending = (ctypes.c_int32 * n)(*ring.pending)
+        slot, failed, code = ctypes.c_int32(ring.next), ctypes.c_int64(), ctypes.c_int64()
+        try:
+            while True:
+                lander.land_queue(lander.driver, queue.ptr, slots, events, pending, n, ctypes.byref(slot),
+                                  ring.stream_ptr, ctypes.byref(failed), ctypes.byref(code))
+                if failed.value < 0:
+                    return
+                fd, src, nbytes, dst = queue.records[failed.value].tolist()
+                k = slot.value
+                ring.pending[k] = bool(pending[k])
+                self._resume(ring, k, source_of_fd[fd], Run(src, nbytes, nbytes, 1, 0), _Address(dst), code.value)
+                pending[k] = 1
+                slot.value = (k + 1) % n
+        except BaseException:
+            queue.stop()
+            raise
+        finally:
+            ring.pending[:] = [bool(p) for p in pending]
+            ring.next = slot.value
 
     def _resume(self, ring: _Ring, k: int, source: FileSource, run: Run, buf: Buffer, got: int) -> int:
         """Finish a contiguous chunk the native call left undone: ``got`` bytes read (a short or

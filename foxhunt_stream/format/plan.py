@@ -23,7 +23,7 @@ from .header import TensorInfo
 from .indexing import Run, slice_runs
 
 __all__ = ["Run", "Chunk", "Destination", "LoadPlan", "Selection", "split_run", "plan_load", "plan_save",
-           "small_chunks_last", "in_turn", "take_in_turn"]
+           "small_chunks_last", "is_small", "in_turn", "take_in_turn"]
 
 T = TypeVar("T")
 # Run(...), Chunk(...) and Destination(...) without their Python-level __new__: a 16 GB full load
@@ -157,6 +157,13 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
     return LoadPlan(tuple(dests), tuple(chunks), tuple(counts))
 
 
+def is_small(run: Run, under: int) -> bool:
+    """Whether ``run`` spans fewer than ``under`` bytes (``small_chunks_last``'s test, with a quarter
+    of the read piece)."""
+    _, pitch, width, height, _ = run   # Run.span, written out: once per chunk of a load
+    return (width if height == 1 else (height - 1) * pitch + width if height else 0) < under
+
+
 def small_chunks_last(plan: LoadPlan, chunk_bytes: int) -> LoadPlan:
     """The plan with its chunks of less than a quarter of ``chunk_bytes`` (of span) moved to the
     end, both groups kept in their order.
@@ -172,9 +179,7 @@ def small_chunks_last(plan: LoadPlan, chunk_bytes: int) -> LoadPlan:
     quarter = chunk_bytes // 4
     big, small = [], []
     for c in plan.chunks:
-        _, pitch, width, height, _ = c.run   # Run.span, written out: once per chunk of a load
-        span = width if height == 1 else (height - 1) * pitch + width if height else 0
-        (small if span < quarter else big).append(c)
+        (small if is_small(c.run, quarter) else big).append(c)
     if not small or not big:
         return plan
     return LoadPlan(plan.destinations, tuple(big + small), plan.chunks_per_dest)

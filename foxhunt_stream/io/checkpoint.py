@@ -21,10 +21,10 @@ INDEX_NAME = "model.safetensors.index.json"
 
 def read_header(path: str | os.PathLike) -> Header:
     """Read and validate the header of one file; FormatError names the file."""
-    return _read_header(path)[0]
+    return read_header_with_identity(path)[0]
 
 
-def _read_header(path: str | os.PathLike) -> tuple[Header, tuple]:
+def read_header_with_identity(path: str | os.PathLike) -> tuple[Header, tuple]:
     """The header and the identity of the file it was read from (see ``source.file_identity``)."""
     path = os.fspath(path)
     with open(path, "rb", buffering=0) as f:
@@ -193,8 +193,18 @@ def open_checkpoint(source) -> Checkpoint:
     """
     if isinstance(source, Checkpoint):   # already open (callers that inspect names first)
         return source
-    paths, weight_map, index_meta, index_path = resolve(source)
-    read = [_read_header(p) for p in paths]
+    return open_resolved(resolve(source))
+
+
+def open_resolved(resolved: Resolved) -> Checkpoint:
+    """``open_checkpoint`` of a source already resolved."""
+    return assemble(resolved, [read_header_with_identity(p) for p in resolved.paths])
+
+
+def assemble(resolved: Resolved, read: list[tuple[Header, tuple]]) -> Checkpoint:
+    """The checkpoint of ``resolved``'s files from their headers and identities (in file order),
+    checked across files: no tensor in two shards, and an index that agrees with the headers."""
+    paths, weight_map, index_meta, index_path = resolved
     headers = [h for h, _ in read]
     ck = Checkpoint(paths, headers, index_metadata=index_meta, index_path=index_path,
                     identities=[i for _, i in read])

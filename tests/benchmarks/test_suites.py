@@ -195,7 +195,7 @@ def test_the_load_timeline_marks_every_step_of_each_load(tmp_path):
     for case in cases:
         at = {m[0]: (float(m[1]), float(m[2])) for m in
               re.findall(r"^   (\S.*?)\s+first\s+(\S+)\s+median\s+\S+\s+last\s+(\S+)", case, flags=re.M)}
-        assert {"open_checkpoint", "plan_selections", "open_sources", "worker start", "worker end",
+        assert {"open_resolved", "plan_selections", "open_sources", "worker start", "worker end",
                 "returned"} <= set(at)
         assert at["open_sources"][0] <= at["worker start"][0] <= at["worker end"][1] <= at["returned"][0]
 

@@ -328,3 +328,41 @@ def test_plain_load_lands_contiguous_chunks_in_native_calls(tmp_path, cp, monkey
         assert {n: _bytes_of(a, cp) for n, a in out.items()} == raw, switch
     total = sum(len(b) for b in raw.values())
     assert landed["1"] >= total // (64 << 10) and landed["0"] == 0, landed
+
+
+@pytest.mark.parametrize("framework", ["cupy", "pt"])
+def test_sharded_load_streams_its_setup(tmp_path, cp, monkeypatch, framework):
+    """A hot sharded checkpoint with an index, whole or sliced along dim 0, loads by the streamed
+    way (the workers landing chunks while the caller still reads headers and allocates) and lands
+    the same bytes as the general way (``FOXHUNT_NATIVE=0``), in the same order."""
+    import json
+
+    from foxhunt_stream.cuda import native
+    from foxhunt_stream.engine import streamed
+    if native.library() is None:
+        pytest.skip("the native library is not built here (no compiler at install)")
+    if framework == "pt":
+        pytest.importorskip("torch")
+    d = tmp_path / "ck"
+    d.mkdir()
+    weight_map = {}
+    for f in range(3):
+        name = f"model-0000{f + 1}-of-00003.safetensors"
+        specs = [(f"layers.{f}.w{i}", "BF16", (257 + 31 * i, 1000)) for i in range(3)] + [(f"layers.{f}.norm", "F32",
+                                                                                           (1000,))]
+        write_random_file(d / name, specs, seed=f)
+        weight_map.update({n: name for n, _, _ in specs})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    calls = []
+    real = streamed.load
+    monkeypatch.setattr(streamed, "load", lambda *a, **k: calls.append(1) or real(*a, **k))
+    opts = dict(device="cuda:0", framework=framework, chunk_bytes=64 << 10, staging_bytes=1 << 20, threads=4)
+    for shard in (None, fs.TPSlice(1, 4, {"*.norm": None, "*": 0})):
+        got = {}
+        for switch in ("1", "0"):
+            monkeypatch.setenv("FOXHUNT_NATIVE", switch)
+            calls.clear()
+            out = fs.load_file(d, shard=shard, **opts)
+            assert len(calls) == (switch == "1"), (switch, calls)
+            got[switch] = [(n, _bytes_of(a, cp)) for n, a in out.items()]
+        assert got["1"] == got["0"], shard

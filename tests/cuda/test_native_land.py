@@ -105,7 +105,8 @@ def test_land_chunk_reads_copies_and_records(tmp_path):
     path = tmp_path / "f.bin"
     data.tofile(path)
     fake = FakeDriver()
-    land, driver, _ = fake.lander()
+    lander = fake.lander()
+    land, driver = lander.land, lander.driver
     slot, device = np.zeros(8192, np.uint8), np.zeros(1 << 16, np.uint8)
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -157,7 +157,7 @@ def test_file_replaced_between_header_and_data_is_read_again(ckpt, monkeypatch, 
     """An atomic save landing between the header read and the data open must not mix versions:
     the load starts over and returns the new version whole; a file replaced every time is refused."""
     from foxhunt_stream.io import checkpoint
-    real = checkpoint._read_header
+    real = checkpoint.read_header_with_identity
     pending = [model(1)]
     calls = []
 
@@ -178,7 +178,7 @@ def test_file_replaced_between_header_and_data_is_read_again(ckpt, monkeypatch, 
         with fs.safe_open(ckpt) as f:
             return {k: f.get_tensor(k) for k in f.keys()}
 
-    monkeypatch.setattr(checkpoint, "_read_header", read_then_replace)
+    monkeypatch.setattr(checkpoint, "read_header_with_identity", read_then_replace)
     assert_equal(load(), model(1))
     assert len(calls) == 2
     calls.clear()

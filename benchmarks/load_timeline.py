@@ -10,7 +10,9 @@ sources opened), when the workers started and ended (first, median, last), when 
 started and ended, and when the call returned. The steps are timed by wrapping the loader's
 functions, so this measures the library as it runs, plus a few microseconds a chunk. A worker
 running its own loop (a plain load to one GPU) is timed by its claims: a chunk starts when it
-is claimed and ends when the next one is.
+is claimed and ends when the next one is. A streamed load (``engine.streamed``: a hot sharded
+checkpoint to one GPU, whole or by rows) shows when each file's chunks were queued and when the
+workers' loops (in C) started and ended; its chunks are not timed one by one.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ import common
 from tp_bench import LLAMA_PLAN
 
 import foxhunt_stream as fs
-from foxhunt_stream.engine import inflight, loader, pipeline
+from foxhunt_stream.engine import inflight, loader, pipeline, streamed, targets
 from foxhunt_stream.io import mapping
 
 STEPS = ["open_resolved", "indices_for", "gathering_files", "plan_selections", "open_sources"]
-ORDER = STEPS + ["worker start", "chunk start", "LoadInFlight()", "chunk end", "worker end", "returned"]
+ORDER = STEPS + ["file queued", "worker start", "chunk start", "LoadInFlight()", "chunk end", "worker end", "returned"]
 
 
 class Marks:
@@ -89,6 +91,17 @@ def instrument(marks: Marks) -> None:
     pipeline.Job._run = run_marked
     pipeline.Job._claims = claims_marked
     inflight.LoadInFlight._work = work_marked
+    # a streamed load (engine.streamed): each file queued, and the workers' loops in C
+    streamed._queue_file = after("file queued", streamed._queue_file)
+    land_queue = targets.CudaTarget.land_queue
+
+    def land_queue_marked(self, worker, queue, by_fd):
+        marks.add("worker start")
+        try:
+            return land_queue(self, worker, queue, by_fd)
+        finally:
+            marks.add("worker end")
+    targets.CudaTarget.land_queue = land_queue_marked
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,8 @@ def _wanted(progress: bool | None, stream) -> bool:
 
 def shown(progress: bool | None) -> bool:
     """Whether ``progress`` asks for a bar on stderr (None: when stderr is a terminal)."""
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be True, False or None, got {progress!r}")
     return _wanted(progress, sys.stderr)
 
 

@@ -39,6 +39,9 @@ from .targets import CudaTarget
 # the plan's worst case per file: every tensor one chunk more than its bytes need (the queue is
 # sized before the headers are read, from the files' sizes and header lengths)
 MIN_ENTRY_BYTES = 40   # the shortest tensor entry of a header: "":{"dtype":"U8","shape":[],"data_offsets":[0,0]}
+# a file at least this much in the page cache (sampled) is hot: read with positional reads, as the
+# general way reads it (``loader.GATHER_RESIDENT``); a colder one goes the general way, in streams
+HOT_RESIDENT = 0.9
 
 
 def eligible(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settings.Settings,
@@ -58,7 +61,7 @@ def eligible(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settin
     if any(pagecache.prefetching(p) for p in paths):
         return False
     with pagecache.residency_snapshot():
-        if any(pagecache.resident_fraction(p) < 0.9 for p in paths):
+        if any(pagecache.resident_fraction(p) < HOT_RESIDENT for p in paths):
             return False
         sizes = [os.path.getsize(p) for p in paths]
         return s.direct_io == "off" or all(cache_policy.read_through_cache(paths, sizes))

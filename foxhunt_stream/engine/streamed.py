@@ -18,6 +18,7 @@ and frees what was allocated before it is raised), the same arrays in the same o
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import math
 import os
@@ -28,7 +29,7 @@ from ..cuda import native
 from ..cuda.devices import Device, context
 from ..format.plan import Selection, is_small, plan_load
 from ..format.tp import TPSlice, dim_rule, indices_for
-from ..io import cache_policy, pagecache
+from ..io import pagecache
 from ..io.checkpoint import Checkpoint, Names, Resolved, assemble, read_header_with_identity, select
 from ..io.source import FileSource, open_source
 from . import workers
@@ -60,11 +61,9 @@ def eligible(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settin
     paths = resolved.paths
     if any(pagecache.prefetching(p) for p in paths):
         return False
-    with pagecache.residency_snapshot():
-        if any(pagecache.resident_fraction(p) < HOT_RESIDENT for p in paths):
-            return False
-        sizes = [os.path.getsize(p) for p in paths]
-        return s.direct_io == "off" or all(cache_policy.read_through_cache(paths, sizes))
+    # a hot file is read through the page cache whatever direct_io="auto" would budget
+    # (``cache_policy.MOSTLY_RESIDENT`` is below HOT_RESIDENT)
+    return all(pagecache.resident_fraction(p) >= HOT_RESIDENT for p in paths)
 
 
 def _rows_only(shard: TPSlice, weight_map: dict[str, str]) -> bool:
@@ -82,7 +81,6 @@ def _selector(names: Names) -> Callable[[str], bool]:
     if names is None:
         return lambda n: True
     if isinstance(names, str):
-        import fnmatch
         return lambda n: fnmatch.fnmatchcase(n, names)
     return names
 

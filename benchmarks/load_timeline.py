@@ -11,8 +11,9 @@ started and ended, and when the call returned. The steps are timed by wrapping t
 functions, so this measures the library as it runs, plus a few microseconds a chunk. A worker
 running its own loop (a plain load to one GPU) is timed by its claims: a chunk starts when it
 is claimed and ends when the next one is. A streamed load (``engine.streamed``: a hot sharded
-checkpoint to one GPU, whole or by rows) shows when each file's chunks were queued and when the
-workers' loops (in C) started and ended; its chunks are not timed one by one.
+checkpoint to one GPU, whole or by rows) shows when each tensor's and each file's chunks were
+queued, when the queue was sealed and when the workers' loops (in C) started and ended; its
+chunks are not timed one by one.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ import common
 from tp_bench import LLAMA_PLAN
 
 import foxhunt_stream as fs
+from foxhunt_stream.cuda import native
 from foxhunt_stream.engine import inflight, loader, pipeline, streamed, targets
 from foxhunt_stream.io import mapping
 
 STEPS = ["open_resolved", "indices_for", "gathering_files", "plan_selections", "open_sources"]
-ORDER = STEPS + ["file queued", "worker start", "chunk start", "LoadInFlight()", "chunk end", "worker end", "returned"]
+ORDER = STEPS + ["tensor queued", "file queued", "queue sealed", "worker start", "chunk start", "LoadInFlight()",
+                 "chunk end", "worker end", "returned"]
 
 
 class Marks:
@@ -93,6 +96,8 @@ def instrument(marks: Marks) -> None:
     inflight.LoadInFlight._work = work_marked
     # a streamed load (engine.streamed): each file queued, and the workers' loops in C
     streamed._queue_file = after("file queued", streamed._queue_file)
+    native.Queue.publish = after("tensor queued", native.Queue.publish)
+    native.Queue.seal = after("queue sealed", native.Queue.seal)
     land_queue = targets.CudaTarget.land_queue
 
     def land_queue_marked(self, worker, queue, by_fd):

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from .. import settings as _settings
 from ..cuda import native
 from ..cuda.devices import Device, context
-from ..format.plan import Selection, is_small, plan_load
+from ..format.plan import Selection, is_small, plan_load, ramp_sizes
 from ..format.tp import TPSlice, dim_rule, indices_for
 from ..io import pagecache
 from ..io.checkpoint import Checkpoint, Names, Resolved, assemble, read_header_with_identity, select
@@ -37,12 +37,18 @@ from .frameworks import Framework
 from .progress import shown
 from .targets import CudaTarget
 
+Record = tuple[int, int, int, int]   # a contiguous chunk: file descriptor, offset, bytes, device address
+
 # the plan's worst case per file: every tensor one chunk more than its bytes need (the queue is
 # sized before the headers are read, from the files' sizes and header lengths)
 MIN_ENTRY_BYTES = 40   # the shortest tensor entry of a header: "":{"dtype":"U8","shape":[],"data_offsets":[0,0]}
 # a file at least this much in the page cache (sampled) is hot: read with positional reads, as the
 # general way reads it (``loader.GATHER_RESIDENT``); a colder one goes the general way, in streams
 HOT_RESIDENT = 0.9
+# the load's first pieces grow from a read piece over the workers' count to a whole one: workers
+# starting together then end their first reads one after another, and the first copies start
+# after a fraction of a piece's read instead of all of them after a whole one
+RAMP = True
 
 
 def eligible(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settings.Settings,
@@ -110,9 +116,10 @@ def load(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settings.S
     sources: list[FileSource] = []
     by_fd: dict[int, FileSource] = {}
     arrays: dict[str, Any] = {}
-    small: list[tuple[int, int, int, int]] = []
+    small: list[Record] = []
     queued: dict[int, int] = {}   # bytes per file descriptor, counted once the load is done
     read: list[tuple] = []
+    ramp = ramp_sizes(cut, threads) if RAMP else []
     errors: list[BaseException] = []
 
     def work(w: int) -> None:
@@ -135,7 +142,7 @@ def load(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settings.S
             src.identity = identity
             src.check_unchanged("file-replaced")
             chosen = [t.name for t in header.tensors if selected(t.name)]
-            _queue_file(queue, i, src, header, chosen, shard, s, cut, fw, device, arrays, small, queued)
+            _queue_file(queue, i, src, header, chosen, shard, s, cut, fw, device, arrays, small, queued, ramp)
             if queue.stopped:
                 break
         if not queue.stopped:
@@ -166,26 +173,51 @@ def load(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settings.S
 
 def _queue_file(queue: native.Queue, i: int, src: FileSource, header, chosen: list[str], shard: TPSlice | None,
                 s: _settings.Settings, cut: int, fw: Framework, device: Device, arrays: dict[str, Any],
-                small: list[tuple[int, int, int, int]], queued: dict[int, int]) -> None:
+                small: list[Record], queued: dict[int, int], ramp: list[int]) -> None:
     """Plan file ``i``'s ``chosen`` tensors, allocate each and publish its chunks at once (those
-    under a quarter of a read piece go to ``small``, for the end, as ``small_chunks_last`` does)."""
+    under a quarter of a read piece go to ``small``, for the end, as ``small_chunks_last`` does).
+    The first tensor is planned alone, so its chunks move while the rest of the file is planned;
+    the load's first pieces are cut to ``ramp``'s sizes (``plan.ramp_sizes``), consumed here."""
     one = Checkpoint([src.path], [header], names={t.name: (0, t) for t in header.tensors})
     indices = indices_for(one, chosen, shard)
     sels = [Selection(i, header.data_start, header.by_name[n], indices.get(n) if indices else None) for n in chosen]
-    plan = plan_load(sels, s.chunk_bytes, read_bytes=cut)
-    quarter, at = cut // 4, 0
-    for dest, count in zip(plan.destinations, plan.chunks_per_dest):
-        arr, buf = fw.new(dest.dtype, dest.shape, device, dest.name)
-        arrays[dest.name] = arr
-        for c in plan.chunks[at:at + count]:
-            record = (src.fd, c.run.src, c.run.width, buf.ptr + c.run.dst)
-            queued[src.fd] = queued.get(src.fd, 0) + c.run.width
-            if is_small(c.run, quarter):
-                small.append(record)
-            else:
+    quarter = cut // 4
+    for batch in (sels[:1], sels[1:]):
+        plan = plan_load(batch, s.chunk_bytes, read_bytes=cut)
+        at = 0
+        for dest, count in zip(plan.destinations, plan.chunks_per_dest):
+            arr, buf = fw.new(dest.dtype, dest.shape, device, dest.name)
+            arrays[dest.name] = arr
+            big = []
+            for c in plan.chunks[at:at + count]:
+                record = (src.fd, c.run.src, c.run.width, buf.ptr + c.run.dst)
+                queued[src.fd] = queued.get(src.fd, 0) + c.run.width
+                (small if is_small(c.run, quarter) else big).append(record)
+            for record in ramp_up(big, ramp, cut) if ramp else big:
                 queue.append(*record)
-        at += count
-        queue.publish()
+            at += count
+            queue.publish()
+
+
+def ramp_up(records: list[Record], sizes: list[int], cut: int) -> list[Record]:
+    """``records`` cut again: neighbours contiguous in the file and on the device joined, then cut
+    into pieces of the next ``sizes`` (taken from the front of the list) while any are left, and
+    of ``cut`` after that."""
+    spans: list[list[int]] = []
+    for fd, src, width, dst in records:
+        last = spans[-1] if spans else None
+        if last and last[0] == fd and last[1] + last[2] == src and last[3] + last[2] == dst:
+            last[2] += width
+        else:
+            spans.append([fd, src, width, dst])
+    pieces = []
+    for fd, src, width, dst in spans:
+        at = 0
+        while at < width:
+            n = min(sizes.pop(0) if sizes else cut, width - at)
+            pieces.append((fd, src + at, n, dst + at))
+            at += n
+    return pieces
 
 
 def _wait(tasks: list[workers.Task], device: Device) -> None:

@@ -22,6 +22,7 @@ import fnmatch
 import functools
 import math
 import os
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .. import settings as _settings
@@ -102,10 +103,30 @@ def _capacity(paths: list[str], cut: int) -> int:
     return total
 
 
+@dataclass
+class _Stream:
+    """What the caller of a streamed load fills as it reads the files."""
+    queue: native.Queue
+    s: _settings.Settings
+    cut: int                                  # the read piece
+    shard: TPSlice | None
+    fw: Framework
+    device: Device
+    start: Callable[[], None]                 # starts the workers (once)
+    ramp: list[int]                           # the sizes of the load's first pieces, consumed
+    arrays: dict[str, Any] = field(default_factory=dict)
+    small: list[Record] = field(default_factory=list)    # for the end, as small_chunks_last does
+    queued: dict[int, int] = field(default_factory=dict)  # bytes per file descriptor
+
+
 def load(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settings.Settings, device: Device,
          fw: Framework) -> dict[str, Any] | None:
     """The streamed load (``eligible`` said yes); None when this machine cannot run it (no native
-    queue for its CUDA runtime): the caller then takes the general way, nothing having been read."""
+    queue for its CUDA runtime): the caller then takes the general way, nothing having been read.
+
+    The workers start once the first tensor's chunks are queued: started earlier, their own start
+    (Python, the GIL) and their waiting slow the caller's first header and plan more than they gain
+    (on the H200 machine the first chunk was queued 5.4 ms into a load that way)."""
     threads = min(s.threads, s.n_slots)
     target = CudaTarget(device.index, s.chunk_bytes, s.n_slots, threads)
     if not target.lands_queues:
@@ -115,12 +136,9 @@ def load(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settings.S
     selected = _selector(names)
     sources: list[FileSource] = []
     by_fd: dict[int, FileSource] = {}
-    arrays: dict[str, Any] = {}
-    small: list[Record] = []
-    queued: dict[int, int] = {}   # bytes per file descriptor, counted once the load is done
     read: list[tuple] = []
-    ramp = ramp_sizes(cut, threads) if RAMP else []
     errors: list[BaseException] = []
+    tasks: list[workers.Task] = []
 
     def work(w: int) -> None:
         try:
@@ -130,8 +148,12 @@ def load(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settings.S
         finally:
             target.release_worker(w)
 
+    def start() -> None:
+        if not tasks:
+            tasks.extend(workers.run(functools.partial(work, w), f"foxhunt-{w}") for w in range(threads))
+
     fw.settle(device)
-    tasks = [workers.run(functools.partial(work, w), f"foxhunt-{w}") for w in range(threads)]
+    st = _Stream(queue, s, cut, shard, fw, device, start, ramp_sizes(cut, threads) if RAMP else [])
     try:
         for i, path in enumerate(resolved.paths):
             header, identity = read_header_with_identity(path)
@@ -141,62 +163,60 @@ def load(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settings.S
             by_fd[src.fd] = src
             src.identity = identity
             src.check_unchanged("file-replaced")
-            chosen = [t.name for t in header.tensors if selected(t.name)]
-            _queue_file(queue, i, src, header, chosen, shard, s, cut, fw, device, arrays, small, queued, ramp)
+            _queue_file(st, i, src, header, [t.name for t in header.tensors if selected(t.name)])
             if queue.stopped:
                 break
         if not queue.stopped:
             ck = assemble(resolved, read)   # the checks across files, as open_checkpoint makes them
             select(ck, names)               # a glob or predicate that selects nothing is an error
-            for record in small:
+            for record in st.small:
                 queue.append(*record)
+        start()
         queue.seal()
     except BaseException:
         queue.stop()
         _finish(tasks, device, sources)
-        arrays.clear()
+        st.arrays.clear()
         raise
     try:
         _wait(tasks, device)
         if errors:
             raise errors[0]
         for src in sources:
-            src.count(queued.get(src.fd, 0))
+            src.count(st.queued.get(src.fd, 0))
             src.check_unchanged()   # a file rewritten while it was read may have fed us two versions
     except BaseException:
-        arrays.clear()
+        st.arrays.clear()
         raise
     finally:
         _finish(tasks, device, sources)
-    return arrays
+    return st.arrays
 
 
-def _queue_file(queue: native.Queue, i: int, src: FileSource, header, chosen: list[str], shard: TPSlice | None,
-                s: _settings.Settings, cut: int, fw: Framework, device: Device, arrays: dict[str, Any],
-                small: list[Record], queued: dict[int, int], ramp: list[int]) -> None:
+def _queue_file(st: _Stream, i: int, src: FileSource, header, chosen: list[str]) -> None:
     """Plan file ``i``'s ``chosen`` tensors, allocate each and publish its chunks at once (those
-    under a quarter of a read piece go to ``small``, for the end, as ``small_chunks_last`` does).
-    The first tensor is planned alone, so its chunks move while the rest of the file is planned;
-    the load's first pieces are cut to ``ramp``'s sizes (``plan.ramp_sizes``), consumed here."""
+    under a quarter of a read piece go to ``st.small``). The first tensor is planned alone and the
+    workers started once its chunks are queued; the rest of the file is planned while they move."""
     one = Checkpoint([src.path], [header], names={t.name: (0, t) for t in header.tensors})
-    indices = indices_for(one, chosen, shard)
+    indices = indices_for(one, chosen, st.shard)
     sels = [Selection(i, header.data_start, header.by_name[n], indices.get(n) if indices else None) for n in chosen]
-    quarter = cut // 4
+    quarter, queue, queued = st.cut // 4, st.queue, st.queued
     for batch in (sels[:1], sels[1:]):
-        plan = plan_load(batch, s.chunk_bytes, read_bytes=cut)
+        plan = plan_load(batch, st.s.chunk_bytes, read_bytes=st.cut)
         at = 0
         for dest, count in zip(plan.destinations, plan.chunks_per_dest):
-            arr, buf = fw.new(dest.dtype, dest.shape, device, dest.name)
-            arrays[dest.name] = arr
+            arr, buf = st.fw.new(dest.dtype, dest.shape, st.device, dest.name)
+            st.arrays[dest.name] = arr
             big = []
             for c in plan.chunks[at:at + count]:
                 record = (src.fd, c.run.src, c.run.width, buf.ptr + c.run.dst)
                 queued[src.fd] = queued.get(src.fd, 0) + c.run.width
-                (small if is_small(c.run, quarter) else big).append(record)
-            for record in ramp_up(big, ramp, cut) if ramp else big:
+                (st.small if is_small(c.run, quarter) else big).append(record)
+            for record in ramp_up(big, st.ramp, st.cut) if st.ramp else big:
                 queue.append(*record)
             at += count
             queue.publish()
+        st.start()
 
 
 def ramp_up(records: list[Record], sizes: list[int], cut: int) -> list[Record]:

@@ -100,7 +100,13 @@ SCRIPT = textwrap.dedent("""
     write_checkpoint(d, want, shards=shards)
     s = settings.merge(threads=3, chunk_bytes=8192, read_bytes=4096, staging_bytes=6 * 8192)
     before = native.landed_chunks()
+    published, started = [], []                   # the workers start once the first chunks are queued
+    publish, run = native.Queue.publish, streamed.workers.run
+    native.Queue.publish = lambda q: (published.append(1), publish(q))[1]
+    streamed.workers.run = lambda *a: (started.append(len(published)), run(*a))[1]
     out = streamed.load(resolve(d), None, None, s, GPU, HostAsDevice())
+    native.Queue.publish, streamed.workers.run = publish, run
+    assert len(started) == 3 and min(started) >= 1, started
     for n, x in want.items():
         assert out[n].shape == x.shape and out[n].tobytes() == x.tobytes(), n
     assert native.landed_chunks() - before >= 30                 # 4 KiB pieces, all through the queue

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from .. import settings as _settings
 from ..cuda import native
 from ..cuda.devices import Device, context
-from ..format.plan import Selection, is_small, plan_load, ramp_sizes
+from ..format.plan import Selection, is_small, plan_load
 from ..format.tp import TPSlice, dim_rule, indices_for
 from ..io import pagecache
 from ..io.checkpoint import Checkpoint, Names, Resolved, assemble, read_header_with_identity, select
@@ -46,10 +46,6 @@ MIN_ENTRY_BYTES = 40   # the shortest tensor entry of a header: "":{"dtype":"U8"
 # a file at least this much in the page cache (sampled) is hot: read with positional reads, as the
 # general way reads it (``loader.GATHER_RESIDENT``); a colder one goes the general way, in streams
 HOT_RESIDENT = 0.9
-# the load's first pieces grow from a read piece over the workers' count to a whole one: workers
-# starting together then end their first reads one after another, and the first copies start
-# after a fraction of a piece's read instead of all of them after a whole one
-RAMP = True
 
 
 def eligible(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settings.Settings,
@@ -113,7 +109,6 @@ class _Stream:
     fw: Framework
     device: Device
     start: Callable[[], None]                 # starts the workers (once)
-    ramp: list[int]                           # the sizes of the load's first pieces, consumed
     arrays: dict[str, Any] = field(default_factory=dict)
     small: list[Record] = field(default_factory=list)    # for the end, as small_chunks_last does
     queued: dict[int, int] = field(default_factory=dict)  # bytes per file descriptor
@@ -153,7 +148,7 @@ def load(resolved: Resolved, names: Names, shard: TPSlice | None, s: _settings.S
             tasks.extend(workers.run(functools.partial(work, w), f"foxhunt-{w}") for w in range(threads))
 
     fw.settle(device)
-    st = _Stream(queue, s, cut, shard, fw, device, start, ramp_sizes(cut, threads) if RAMP else [])
+    st = _Stream(queue, s, cut, shard, fw, device, start)
     try:
         for i, path in enumerate(resolved.paths):
             header, identity = read_header_with_identity(path)
@@ -207,37 +202,16 @@ def _queue_file(st: _Stream, i: int, src: FileSource, header, chosen: list[str])
         for dest, count in zip(plan.destinations, plan.chunks_per_dest):
             arr, buf = st.fw.new(dest.dtype, dest.shape, st.device, dest.name)
             st.arrays[dest.name] = arr
-            big = []
             for c in plan.chunks[at:at + count]:
                 record = (src.fd, c.run.src, c.run.width, buf.ptr + c.run.dst)
                 queued[src.fd] = queued.get(src.fd, 0) + c.run.width
-                (st.small if is_small(c.run, quarter) else big).append(record)
-            for record in ramp_up(big, st.ramp, st.cut) if st.ramp else big:
-                queue.append(*record)
+                if is_small(c.run, quarter):
+                    st.small.append(record)
+                else:
+                    queue.append(*record)
             at += count
             queue.publish()
         st.start()
-
-
-def ramp_up(records: list[Record], sizes: list[int], cut: int) -> list[Record]:
-    """``records`` cut again: neighbours contiguous in the file and on the device joined, then cut
-    into pieces of the next ``sizes`` (taken from the front of the list) while any are left, and
-    of ``cut`` after that."""
-    spans: list[list[int]] = []
-    for fd, src, width, dst in records:
-        last = spans[-1] if spans else None
-        if last and last[0] == fd and last[1] + last[2] == src and last[3] + last[2] == dst:
-            last[2] += width
-        else:
-            spans.append([fd, src, width, dst])
-    pieces = []
-    for fd, src, width, dst in spans:
-        at = 0
-        while at < width:
-            n = min(sizes.pop(0) if sizes else cut, width - at)
-            pieces.append((fd, src + at, n, dst + at))
-            at += n
-    return pieces
 
 
 def _wait(tasks: list[workers.Task], device: Device) -> None:

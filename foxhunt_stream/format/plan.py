@@ -164,16 +164,6 @@ def is_small(run: Run, under: int) -> bool:
     return (width if height == 1 else (height - 1) * pitch + width if height else 0) < under
 
 
-def ramp_sizes(cut: int, steps: int, align: int = 1 << 16) -> list[int]:
-    """The sizes of a load's first pieces: ``cut * k / steps`` for k = 1 .. steps-1, in multiples
-    of ``align``, each below ``cut`` (none where ``cut / steps`` is under ``align``). Workers that
-    start together on pieces of one size end their reads together, and the copy engine waits for
-    the first of them; on growing pieces it starts after a fraction of that."""
-    if cut // steps < align:
-        return []
-    return [cut * k // steps // align * align for k in range(1, steps)]
-
-
 def small_chunks_last(plan: LoadPlan, chunk_bytes: int) -> LoadPlan:
     """The plan with its chunks of less than a quarter of ``chunk_bytes`` (of span) moved to the
     end, both groups kept in their order.

@@ -8,7 +8,7 @@ import pytest
 import safetensors.numpy as stn
 
 import foxhunt_stream as fs
-from foxhunt_stream.format.plan import ramp_sizes, small_chunks_last
+from foxhunt_stream.format.plan import small_chunks_last
 from plan_support import plan_of_sizes
 
 
@@ -44,10 +44,3 @@ def test_a_load_awaited_whole_ends_on_its_small_chunks(tmp_path, recorded_order)
     handle = fs.load_file(path, chunk_bytes=16 << 10, threads=1, background=True)
     handle.result()
     assert [c.run.span for c in recorded_order[0]] == [64, 64] + [16 << 10] * 4   # plan (file) order
-
-
-def test_ramp_sizes_grow_to_below_one_piece():
-    M, K = 1 << 20, 1 << 10
-    assert ramp_sizes(4 * M, 16) == [256 * K * k for k in range(1, 16)]
-    assert ramp_sizes(M, 3) == [320 * K, 640 * K]          # multiples of 64 KiB, below the piece
-    assert ramp_sizes(8192, 3) == [] and ramp_sizes(4 * M, 1) == []   # pieces too small to grow: none

@@ -5,7 +5,7 @@ Python, and it cannot run beside workers that take the GIL between chunks: each 
 wait for it. Here the workers take none: each runs ``CudaTarget.land_queue``, a loop in C over a
 queue of contiguous chunks (``cuda.native.Queue``), while the caller goes through the files one
 by one, appending each tensor's chunks as soon as the tensor is allocated. Only the first file's
-first tensor is set up before the first read.
+first tensor is set up before the workers start and the first read.
 
 It serves the plain case, which is also the most common one: a sharded checkpoint with an index,
 loaded whole by ``load_file`` to one GPU (every tensor, a glob or a predicate; whole tensors or

@@ -32,7 +32,6 @@ if REPO not in sys.path:
 
 from foxhunt_stream.cli import ceilings as ce  # noqa: E402
 from foxhunt_stream.cli.text import table  # noqa: E402
-from foxhunt_stream.cuda import native  # noqa: E402
 from foxhunt_stream.settings import parse_size  # noqa: E402
 
 GB = 1e9
@@ -222,8 +221,6 @@ def machine() -> dict[str, Any]:
         m = sys.modules.get(mod)
         if m is not None:
             out[mod] = str(getattr(m, "__version__", "?"))
-    # GPU loads land contiguous chunks through cuda/native_land.c where it was built and is on
-    out["native_landing"] = native.enabled() and native.library() is not None
     out["commit"] = _run(["git", "-C", REPO, "rev-parse", "--short=12", "HEAD"]) or None
     out["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     out["command"] = " ".join([os.path.basename(sys.executable)] + sys.argv)

@@ -233,15 +233,15 @@ def main(argv=None) -> None:
     measure("device_map cuda:0/cuda:1, 16 threads, staging 512 MiB per GPU",
             lambda: fs.load_file(src, device_map=dm, framework=fw, threads=16, staging_bytes=512 << 20),
             ["cuda:0", "cuda:1"], total, a.repeat, rows)
-    from foxhunt_stream.engine import loader
-    interleave = loader.interleave_by_device
-    loader.interleave_by_device = lambda plan, devices: plan   # each device's chunks in one block
+    from foxhunt_stream.format import plan as planner
+    interleave = planner.interleave_by_device
+    planner.interleave_by_device = lambda plan, devices: plan   # each device's chunks in one block
     try:
         measure("device_map cuda:0/cuda:1, 16 threads, no interleaving",
                 lambda: fs.load_file(src, device_map=dm, framework=fw, threads=16),
                 ["cuda:0", "cuda:1"], total, a.repeat, rows)
     finally:
-        loader.interleave_by_device = interleave
+        planner.interleave_by_device = interleave
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import numpy as np
 from foxhunt_stream import settings as _settings
 from foxhunt_stream.cuda.devices import parse_device
 from foxhunt_stream.engine import loader, workers
+from foxhunt_stream.format.tp import indices_for
 from foxhunt_stream.io.checkpoint import open_checkpoint, select
 
 SLOTS_PER_THREAD = 2
@@ -60,8 +61,9 @@ class Floor:
                                                                    ("read_bytes", read_bytes)) if v is not None})
         chunk_bytes = s.chunk_bytes
         ck = open_checkpoint(ckpt)
-        plan, _, _, sources = loader.plan_and_open(ck, select(ck, None), shard, s, False, self.device, whole=True)
-        loader.close_all(sources)
+        names = select(ck, None)
+        plan = loader.prepare(ck, loader.selections(ck, names, indices_for(ck, names, shard)), s, self.device,
+                              order="whole").plan
         if any(c.run.height != 1 for c in plan.chunks):
             raise ValueError("the floor moves contiguous runs only (a full load or a dim-0 shard)")
         starts, total = [], 0

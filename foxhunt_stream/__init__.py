@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import (ChecksumError, DeviceError, DeviceOutOfMemoryError, FormatError, SafetensorError,
-                     StoreMismatchError)
+from .errors import (CancelledError, ChecksumError, DeviceError, DeviceOutOfMemoryError, FormatError,
+                     SafetensorError, StoreMismatchError)
 
 __version__ = "0.1.0"
 
@@ -32,7 +32,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "SafetensorError", "FormatError", "DeviceError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
+    "SafetensorError", "FormatError", "DeviceError", "CancelledError", "DeviceOutOfMemoryError", "StoreMismatchError", "LoadIntoWarning",
     "TensorSpec", "serialize", "serialize_file", "deserialize",
     "safe_open", "load_file", "load_into", "save_file", "TPSlice", "Shard", "LoadHandle", "read_header", "clean_stale_temps",
     "settings", "__version__", "prefetch", "PrefetchHandle", "warmup", "ChecksumError", "verify", "VerifyReport",

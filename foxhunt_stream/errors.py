@@ -10,6 +10,7 @@ Where the reference raises a builtin type, so do we (``SparseTensorError`` is a 
 from __future__ import annotations
 
 import os
+from concurrent.futures import CancelledError as _FutureCancelled
 
 
 class SafetensorError(Exception):
@@ -64,6 +65,11 @@ class FormatError(SafetensorError, ValueError):
     def with_path(self, path: str | os.PathLike) -> "FormatError":
         """The same error, naming the file (parsing is pure and does not know it)."""
         return FormatError(self.rule, self.detail, path=path, tensor=self.tensor)
+
+
+class CancelledError(_FutureCancelled):
+    """A background load (``LoadHandle``) or a prefetch was cancelled: what ``result()`` and
+    ``wait(name)`` raise after ``cancel()`` (a ``concurrent.futures.CancelledError``)."""
 
 
 class DeviceError(SafetensorError, RuntimeError):

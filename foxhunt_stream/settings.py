@@ -68,7 +68,7 @@ class Settings:
                                      # best on the H200 machine); host loads and cold files: whole chunks
     staging_bytes: int = 256 << 20   # pinned staging per device (slots = staging / chunk; 2 per worker)
     backend: Backend = "auto"        # positional reads, and the column slices of files in the page cache
-                                     # gathered out of a mapping (engine.loader.gathering_files)
+                                     # gathered out of a mapping (io.read_policy)
     direct_io: DirectIO = "auto"     # auto: O_DIRECT only for files that would not stay in the cache
     write_backend: WriteBackend = "auto"   # auto: mmap for big files on tmpfs written by >= 8 threads
     verify_on: VerifyOn = "auto"     # where verify=True hashes (auto: on the GPU for
@@ -128,10 +128,9 @@ def _coerce(name: str, value):
     return value
 
 
-# FOXHUNT_* variables read elsewhere: cuda.runtime's choice of CUDA runtime, cuda.native's switch,
-# and the project's own test and benchmark knobs. Any other FOXHUNT_* name is a misspelling, warned
-# about once.
-OTHER_VARIABLES = ("FOXHUNT_CUDART", "FOXHUNT_NATIVE", "FOXHUNT_STRESS_SECONDS", "FOXHUNT_BENCH_BYTES")
+# FOXHUNT_* variables read elsewhere: cuda.runtime's choice of CUDA runtime, and the project's own
+# test and benchmark knobs. Any other FOXHUNT_* name is a misspelling, warned about once.
+OTHER_VARIABLES = ("FOXHUNT_CUDART", "FOXHUNT_STRESS_SECONDS", "FOXHUNT_BENCH_BYTES")
 _warned: set[str] = set()
 
 

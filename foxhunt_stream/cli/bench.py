@@ -31,7 +31,6 @@ import numpy as np
 
 from .. import __version__
 from .. import settings as _settings
-from ..cuda import native
 from ..cuda import runtime as cudart
 from ..cuda.devices import CPU, Device, check_device, cupy, parse_device
 from ..io.checkpoint import Checkpoint, open_checkpoint
@@ -41,9 +40,6 @@ from .text import describe_error, fmt_bytes
 
 DEFAULT_SIZE = {"cpu": 1 << 30, "cuda": 8 << 30}   # GPU figures want >= 8 GiB (DESIGN.md)
 GPU_FIX = "pip install 'foxhunt-stream[cuda12]' or 'foxhunt-stream[cuda13]'"
-NO_NATIVE_NOTE = ("the GPU workers land each chunk in Python steps: cuda/native_land.c was not compiled at install "
-                  "(no C compiler there) or FOXHUNT_NATIVE is off; a tensor-parallel rank's load may take up to "
-                  "12% longer")
 
 
 # ---------------------------------------------------------------- results
@@ -198,8 +194,6 @@ def run(source=None, *, device: str | None = None, size: int | str | None = None
         source, description = _source(source, tmp, dev, size, shards, cold, say)
         ck = open_checkpoint(source)
         report = _new_report(ck, source, description, dev, device_note, reps, s.threads)
-        if dev.is_cuda and not _lands_natively():
-            report.notes.append(NO_NATIVE_NOTE)
         before = None
         if cold:
             report.cache = "cold (" + ce.drop_caches(ck.paths) + ")"
@@ -214,14 +208,6 @@ def run(source=None, *, device: str | None = None, size: int | str | None = None
         alert(note)
     report.versions = _versions()
     return report
-
-
-def _lands_natively() -> bool:
-    """Whether a GPU load here lands contiguous chunks in native calls (``cuda.native``)."""
-    try:
-        return native.lander_for(cudart.runtime()) is not None
-    except Exception:   # noqa: BLE001 - no runtime: the load itself will say why
-        return True
 
 
 def _source(source, tmp: str, dev: Device, size, shards: int, cold: bool, say) -> tuple[Any, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CUPY_INSTALL = "pip install 'foxhunt-stream[cuda13]' (or '[cuda12]' where the driver supports CUDA 12 only)"
+CUPY_INSTALL = "pip install cupy-cuda13x (or cupy-cuda12x where the driver supports CUDA 12 only)"
 
 
 @dataclass(frozen=True)
@@ -20,8 +20,15 @@ class TorchFacts:
     hip: str | None = None
 
 
-def no_runtime(torch: TorchFacts, cupy_installed: bool) -> str:
-    """Neither cupy's CUDA runtime nor one torch loaded is in the process: why, and the fixes."""
+NO_DRIVER = ("no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded): a load to a GPU needs an "
+             "NVIDIA GPU and its driver; load with device='cpu' instead")
+
+
+def no_runtime(torch: TorchFacts, cupy_installed: bool, driver: bool = True) -> str:
+    """Neither cupy's CUDA runtime nor one torch loaded is in the process: why, and the fixes
+    (``driver``: whether the NVIDIA driver's library loads at all; without it, that is the cause)."""
+    if not driver:
+        return NO_DRIVER
     why = ["cupy did not import" if cupy_installed else "cupy is not installed"]
     fixes = [f"install cupy: {CUPY_INSTALL}"]
     if not torch.installed:

@@ -98,6 +98,8 @@ class LibCudart:
         self._eventDestroy = b("cudaEventDestroy", c_void_p)
         self._hostAlloc = b("cudaHostAlloc", POINTER(c_void_p), c_size_t, c_uint)
         self._freeHost = b("cudaFreeHost", c_void_p)
+        self._hostRegister = b("cudaHostRegister", c_void_p, c_size_t, c_uint)
+        self._hostUnregister = b("cudaHostUnregister", c_void_p)
         self._free = b("cudaFree", c_void_p)
         self._memcpyAsync = b("cudaMemcpyAsync", c_void_p, c_void_p, c_size_t, c_int, c_void_p)
         self._memcpy2DAsync = b("cudaMemcpy2DAsync", c_void_p, c_size_t, c_void_p, c_size_t, c_size_t, c_size_t,
@@ -167,6 +169,12 @@ class LibCudart:
 
     def freeHost(self, ptr: int) -> None:
         self._check("cudaFreeHost", self._freeHost(ptr))
+
+    def hostRegister(self, ptr: int, nbytes: int, flags: int) -> None:
+        self._check("cudaHostRegister", self._hostRegister(ptr, nbytes, flags))
+
+    def hostUnregister(self, ptr: int) -> None:
+        self._check("cudaHostUnregister", self._hostUnregister(ptr))
 
     def free(self, ptr: int) -> None:
         self._check("cudaFree", self._free(ptr))

@@ -92,6 +92,8 @@ class CupyFramework:
             cp = cupy()
             if dtype.sub_byte:
                 got = np.dtype(np.uint8)
+            elif dtype.ml_dtypes:   # cupy has none of ml_dtypes' types (and they need not be imported)
+                got = np.dtype(f"u{dtype.itemsize}")
             else:
                 try:
                     cp.empty(0, dtype.numpy)

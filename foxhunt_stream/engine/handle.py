@@ -1,13 +1,15 @@
 """The handle of a background load (``load_file(..., background=True)``).
 
-It holds the load in flight and its open files: ``wait(name)`` blocks on one tensor only,
-``result()`` on all of them, ``done()`` polls and ``cancel()`` stops the workers. The files are
-closed once the load has finished, failed or been cancelled, never while a worker may read them.
+It holds the load in flight: ``wait(name)`` blocks on one tensor only, ``result()`` on all of
+them, ``done()`` polls and ``cancel()`` stops the workers, after which ``result()`` and
+``wait(name)`` raise ``fs.CancelledError``. The load's files are closed by the load itself once
+its last worker has stopped (``LoadInFlight``'s ``on_end``), however the handle is used: every
+tensor taken with ``wait(name)``, ``result()``, a cancel, or the handle dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from ..format.dtypes import host_shape
 from .inflight import LoadInFlight
@@ -17,12 +19,10 @@ class LoadHandle:
     """A background load: ``result()`` waits for all, ``wait(name)`` only for one tensor,
     ``done()`` polls, ``cancel()`` stops it."""
 
-    def __init__(self, load: LoadInFlight, names: list[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, load: LoadInFlight, names: list[str]) -> None:
         self._load, self._names = load, names
         self._pos = {n: i for i, n in enumerate(names)}
-        self._on_close = on_close
         self._result: dict | None = None
-        self._closed = False
 
     @property
     def names(self) -> list[str]:
@@ -42,39 +42,27 @@ class LoadHandle:
 
     def wait(self, name: str) -> Any:
         """The array of tensor ``name``, once it has landed (the rest of the load goes on)."""
-        try:
-            self._load.wait_dest(self._pos[name])
-        except BaseException:
-            if self._load.job.done():   # failed or cancelled: release the files now
-                self._close()
-            raise
+        self._load.wait_dest(self._pos[name])
         return self._load.dests.array(self._pos[name])
 
     def done(self) -> bool:
         return self._load.job.done()
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
-        """Every tensor, ``{name: array}``, once all have landed; re-raises the load's error."""
+        """Every tensor, ``{name: array}``, once all have landed; re-raises the load's error
+        (``fs.CancelledError`` after ``cancel()``). With ``timeout``, TimeoutError if the load is
+        still running then (it goes on)."""
         if self._result is None:
-            # A timeout leaves the load running, so its files must stay open: only close once finished.
             if timeout is not None and not self._load.finished(timeout):
                 raise TimeoutError("background load still running")
-            try:
-                self._load.finish()
-            finally:
-                self._close()
+            self._load.finish()
             self._result = dict(zip(self._names, self._load.dests.all_arrays()))
         return self._result
 
     def cancel(self) -> None:
+        """Stop the load: its workers take no further chunk, and it waits for those in flight."""
         self._load.cancel()
         try:
             self._load.finish()
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - the cancellation itself, or the error it overtook
             pass
-        self._close()
-
-    def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._on_close()

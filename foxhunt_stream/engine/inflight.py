@@ -1,11 +1,14 @@
 """A load in flight: one plan executed by the pipeline into its destinations.
 
-``LoadInFlight`` owns the bookkeeping every front end shares (``load_file``, ``load_into``,
-``safe_open``, a background ``LoadHandle``): per-destination readiness, the targets (host or
-GPU) chunks land through, the allocating thread that runs ahead of the workers, cancellation,
-and one ``finish`` that waits for everything and leaves nothing half-done behind. An optional
-``LoadCheck`` (checksums: ``integrity.verifier.Verifier``) is a step the load calls per chunk
-and per destination; the load itself knows nothing of hashing.
+``LoadInFlight`` is the one route of every load (``load_file``, ``load_into``, ``safe_open``, a
+background ``LoadHandle``, the ranks of a distributed load): the workers take the plan's chunks in
+order and a target (host or GPU) lands each; per destination it counts the chunks in and keeps the
+events of their copies, so a caller may wait for one tensor or for all. It also runs the
+allocating thread ahead of the workers and the cancellation, and ``finish`` waits for everything
+and leaves nothing half-done behind. When the last worker stops, the files are checked to be the
+ones whose headers were read and ``on_end`` runs (a load's own files are closed there: nothing
+reads them after). An optional ``LoadCheck`` (checksums: ``integrity.verifier.Verifier``) is a
+step the load calls per chunk and per destination; the load itself knows nothing of hashing.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import replace
 from typing import Any, Callable, Protocol, Sequence
 
 from .. import settings as _settings
@@ -58,18 +60,19 @@ def held_workers(threads: int, cpus: int | None = None) -> int:
 class LoadInFlight:
     """A load plan in flight: per-destination readiness, cancellation, one wait for all."""
 
-    def __init__(self, plan: LoadPlan, sources: list[FileSource], dests: Destinations,
+    def __init__(self, plan: LoadPlan, sources: Sequence[FileSource], dests: Destinations,
                  s: _settings.Settings, keepalive: Any = None, check: LoadCheck | None = None,
-                 progress: Progress = NO_PROGRESS, per_dest: bool = False) -> None:
+                 progress: Progress = NO_PROGRESS, per_dest: bool = False,
+                 on_end: Callable[[], None] | None = None) -> None:
         self.plan = plan
-        # per_dest: someone waits for single destinations (tensors(), a background handle), so
-        # each GPU chunk gets an event of its own; otherwise chunks share their slot's reused
-        # event (a landed check may start a little late) and finish() drains the streams
+        # per_dest: the caller takes tensors one by one as they land (tensors(), a background
+        # handle): a check hashes each as it lands rather than all at the end
         self.per_dest = per_dest
         self.progress = progress
         self.check = check
         self.dests = dests
         self.sources = sources
+        self._on_end = on_end
         self._lock = threading.Lock()
         self._remaining = list(plan.chunks_per_dest)
         self._events: list[list] = [[] for _ in plan.destinations]
@@ -77,35 +80,30 @@ class LoadInFlight:
         # (not an Event each: 291 of them cost ~1 ms of the caller before the first worker starts)
         self._landed = bytearray(1 if n == 0 else 0 for n in self._remaining)
         self._landing = threading.Condition(self._lock)
+        threads = s.threads
         if any(dev.is_cuda for dev in dests.devices):
             # every GPU worker holds a ring of at least one pinned slot until it runs out of work:
             # more workers than slots would leave some waiting for a slot until the others finish
-            s = replace(s, threads=min(s.threads, s.n_slots))
+            threads = min(threads, s.n_slots)
         # a host worker holds one scratch slot at a time: more than `threads` is waste (and
         # staging/chunk of them, e.g. 131072 with 4 KiB chunks, took seconds to allocate)
         self._targets: dict[Device, Any] = {
-            dev: (CudaTarget(dev.index, s.chunk_bytes, s.n_slots, s.threads) if dev.is_cuda
-                  else HostTarget(s.chunk_bytes, min(s.n_slots, s.threads)))
+            dev: (CudaTarget(dev.index, s.chunk_bytes, s.n_slots, threads) if dev.is_cuda
+                  else HostTarget(s.chunk_bytes, min(s.n_slots, threads)))
             for dev in dests.devices}
         self.started = time.perf_counter()
-        # one GPU and nobody waiting chunk by chunk (for single destinations, or a check told as
-        # each lands): each worker runs the target's own loop over the chunks it claims
-        only = next(iter(self._targets.values())) if len(self._targets) == 1 else None
-        tracked = per_dest or check is not None
-        self._streamed: CudaTarget | None = only if isinstance(only, CudaTarget) and not tracked else None
-        self.job = Job(plan.chunks, self._work, s.threads, None if self._streamed else self._on_done,
-                       keepalive=keepalive, teardown=self._worker_done,
-                       drain=self._drain_chunks if self._streamed else None)
         log.debug("load: %d tensors, %d bytes, %d chunks, %d threads, chunk %d, staging %d, backends %s",
-                  len(plan.destinations), plan.nbytes, len(plan.chunks), s.threads, s.chunk_bytes,
+                  len(plan.destinations), plan.nbytes, len(plan.chunks), threads, s.chunk_bytes,
                   s.staging_bytes, sorted({src.backend for src in sources}))
+        self.job = Job(plan.chunks, self._work, threads, self._on_done, keepalive=keepalive,
+                       teardown=self._worker_done, on_end=self._end)
         # the allocator starts first so that it leads the workers; while it runs, the workers
         # leave it a CPU (and one for the caller and the driver): on the 16-CPU H200 machine a
         # row shard with 16 workers beside the allocator took 0.186-0.194 of a full load, with 14
         # workers 0.159-0.161, and 16 workers with nothing to allocate (load_into) ~0.16 as well
         self._allocator = (dests.allocate_ahead(plan.dest_order(), self.job.stopping, then=self.job.release)
                            if len(plan.destinations) > 1 else None)
-        self.job.start(hold=held_workers(s.threads) if self._allocator is not None else 0)
+        self.job.start(hold=held_workers(threads) if self._allocator is not None else 0)
 
     def _work(self, worker: int, chunk):
         d = chunk.dest
@@ -113,18 +111,24 @@ class LoadInFlight:
         inspect = self.check.inspector(d, chunk.run) if self.check is not None else None
         # a GPU chunk is read into pinned staging before its destination is needed: the
         # allocation (if this worker overtook the allocating thread) overlaps the read
-        buf = functools.partial(self.dests.buffer, d) if dev.is_cuda else self.dests.buffer(d)
-        return self._targets[dev].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect,
-                                       track=self.per_dest)
-
-    def _drain_chunks(self, worker: int, chunks) -> None:
-        self._streamed.land_all(worker, chunks, self.sources, self.dests.buffers, self.dests.buffer,
-                                progress=self.progress.update if self.progress.active else None)
+        buf = self.dests.buffers[d] or functools.partial(self.dests.buffer, d)
+        return self._targets[dev].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect)
 
     def _worker_done(self, worker: int) -> None:
         for t in self._targets.values():
             if isinstance(t, CudaTarget):
                 t.release_worker(worker)
+
+    def _end(self, error: BaseException | None) -> None:
+        """As the job ends (on the last worker to stop): the files are still the ones whose headers
+        were read (a file rewritten or resized while it was read may have fed us two versions),
+        then ``on_end``, whether the load succeeded or not."""
+        try:
+            if error is None:
+                self._check_unchanged()
+        finally:
+            if self._on_end is not None:
+                self._on_end()
 
     def _on_done(self, i: int, chunk, event) -> None:
         d = chunk.dest
@@ -133,22 +137,21 @@ class LoadInFlight:
                 self._events[d].append(event)
             self._remaining[d] -= 1
             complete = self._remaining[d] == 0
-            events = list(self._events[d]) if complete else ()
-        if complete and self.check is not None:
-            self.check.landed(d, self.dests.buffer(d), events, self.per_dest)
         if complete:
+            if self.check is not None:
+                self.check.landed(d, self.dests.buffer(d), self._copies(d), self.per_dest)
             with self._landing:
                 self._landed[d] = 1
                 self._landing.notify_all()
         self.progress.update(chunk.run.nbytes)
 
+    def _copies(self, d: int) -> list:
+        """The events that complete after every copy of destination ``d`` (each slot's once)."""
+        return list(dict.fromkeys(self._events[d]))
+
     def wait_dest(self, d: int) -> None:
-        """Block until destination ``d`` has fully landed (its copies complete); without
-        ``per_dest`` the wait may include later chunks of the same workers, and a load whose
-        workers run the target's own loop (nothing tracked per chunk) waits for all of them."""
-        if self._streamed is not None:
-            self.finish()
-            return
+        """Block until destination ``d`` has fully landed (its copies complete; a copy's event may
+        also stand for a few later copies of the same worker)."""
         with self._landing:
             while not self._landed[d] and not self.job.done():
                 self._landing.wait(0.05)
@@ -156,7 +159,7 @@ class LoadInFlight:
         if not landed:
             self.finish()   # raises the job's error
             raise RuntimeError("load ended before every chunk landed")
-        for ev in self._events[d]:
+        for ev in self._copies(d):
             ev.synchronize()
         if self.check is not None:
             self.check.settle(d)
@@ -175,13 +178,12 @@ class LoadInFlight:
         self._join_allocator()
         self._drain()
         self.progress.close()
-        try:
-            if self.check is not None:
+        if self.check is not None:
+            try:
                 self.check.finish(self.dests.buffer)
-            self._check_unchanged()
-        except BaseException:
-            self._stop_everything()   # a mixed-version or corrupt load hands nothing back
-            raise
+            except BaseException:
+                self._stop_everything()   # a corrupt load hands nothing back
+                raise
         elapsed = time.perf_counter() - self.started
         if elapsed > 0:
             log.debug("load: %.3f s, %.2f GB/s", elapsed, self.plan.nbytes / elapsed / 1e9)
@@ -203,10 +205,8 @@ class LoadInFlight:
             self._allocator = None
 
     def _check_unchanged(self) -> None:
-        """A file rewritten or resized while it was read may have fed us a mix of two versions."""
         for src in self.sources:
-            if src.fd >= 0:
-                src.check_unchanged()
+            src.check_unchanged()
 
     def _drain(self) -> None:
         for dev in self._targets:

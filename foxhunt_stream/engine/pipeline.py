@@ -1,11 +1,11 @@
 """The pipeline: a few worker threads drain one list of work items, in order, with cancellation.
 
-Loads and saves both run here. Each worker either calls ``work(worker, item)`` per item or, with
-``drain``, runs one loop of its own over the items it claims (a plain load: no Python between
-chunks but the chunk's own steps). The first error cancels the rest (workers stop taking items);
-``wait`` joins every worker (bounded) and re-raises that error. ``Job`` is the one handle type
-for background work: it keeps its sources, buffers and results alive until it is done. The
-workers are threads parked between jobs (``workers``), named ``{name}-{worker}`` while they run.
+Loads and saves both run here: each worker calls ``work(worker, item)`` for the next item not yet
+taken, then ``on_done``. The first error cancels the rest (workers stop taking items); ``wait``
+joins every worker and re-raises that error. ``Job`` is the one handle type for background work:
+it keeps its sources, buffers and results alive until it is done, and ``on_end`` runs once, on the
+last worker to stop, however the job ended. The workers are threads parked between jobs
+(``workers``), named ``{name}-{worker}`` while they run.
 """
 
 from __future__ import annotations
@@ -13,13 +13,10 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
+from ..errors import CancelledError
 from . import workers
-
-
-class Cancelled(Exception):
-    """Raised in place of a result when a job was cancelled."""
 
 
 class Job:
@@ -29,11 +26,11 @@ class Job:
                  on_done: Callable[[int, Any, Any], None] | None = None, name: str = "foxhunt",
                  keepalive: Any = None, setup: Callable[[int], Any] | None = None,
                  teardown: Callable[[int], Any] | None = None,
-                 drain: Callable[[int, Iterator[Any]], None] | None = None) -> None:
+                 on_end: Callable[[BaseException | None], None] | None = None) -> None:
         self.items = items
         self._work = work
-        self._drain = drain   # instead of work per item: drain(worker, claims) loops over them itself
         self._on_done = on_done
+        self._on_end = on_end   # on_end(error or None), once, as the job ends (an error it raises fails the job)
         self._setup = setup
         self._teardown = teardown   # runs on each worker thread as it stops, error or not
         self._next = itertools.count()
@@ -50,7 +47,7 @@ class Job:
         self._held: list[int] = []
         self._released = False
         if not n:
-            self._done.set()
+            self._end()
 
     def start(self, hold: int = 0) -> "Job":
         """Start the workers; the last ``hold`` of them only at ``release()`` (which the caller
@@ -78,9 +75,6 @@ class Job:
         try:
             if self._setup is not None:
                 self._setup(worker)
-            if self._drain is not None:
-                self._drain(worker, self._claims())
-                return
             while not self._cancel.is_set():
                 i = next(self._next)
                 if i >= len(self.items):
@@ -100,21 +94,21 @@ class Job:
                 self._alive -= 1
                 last = self._alive == 0
             if last:
-                # drop references to the work and its buffers: a finished job must not keep
-                # device memory alive through a reference cycle until the next GC pass
-                self._work = self._on_done = self._setup = self._teardown = self._drain = None
-                self.keepalive = None
-                self._done.set()
+                self._end()
 
-    def _claims(self) -> Iterator[Any]:
-        """The items this worker takes, in list order shared with the others, until the job is
-        cancelled or none are left."""
-        items, cancel = self.items, self._cancel
-        n = len(items)
-        for i in self._next:
-            if i >= n or cancel.is_set():
-                return
-            yield items[i]
+    def _end(self) -> None:
+        """The job is over: ``on_end``, then the references to the work and its buffers dropped (a
+        finished job must not keep device memory alive through a reference cycle until the next
+        GC pass), then anyone waiting woken."""
+        try:
+            if self._on_end is not None:
+                self._on_end(self._error)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            self.fail(e)
+        finally:
+            self._work = self._on_done = self._setup = self._teardown = self._on_end = None
+            self.keepalive = None
+            self._done.set()
 
     def fail(self, error: BaseException) -> None:
         with self._lock:
@@ -123,7 +117,10 @@ class Job:
         self._cancel.set()
 
     def cancel(self) -> None:
-        self.fail(Cancelled("cancelled"))
+        """Stop taking items; the job then ends with ``CancelledError`` (a job already over keeps
+        its outcome)."""
+        if not self._done.is_set():
+            self.fail(CancelledError("cancelled"))
 
     def cancelled(self) -> bool:
         """True once the job was cancelled or failed: long work items may stop early (by raising)."""

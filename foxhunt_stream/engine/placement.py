@@ -4,9 +4,8 @@
 opened and returns a ``Placement``, the value handed down the load: ``for_names`` gives the
 device of each selected tensor and the framework that makes their arrays. ``resolve_device_map``
 turns ``{name or prefix: device}`` into one ``Device`` per tensor (every problem is found before
-a byte is read), and ``interleave_by_device`` reorders a plan's chunks so that the copy links of
-several GPUs work at the same time instead of one after the other (the plan keeps file order
-within each device).
+a byte is read); the plan then interleaves the devices' chunks (``format.plan``, order
+"by_device").
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from ..cuda.devices import CPU, Device, DeviceError, check_device, parse_device
-from ..format.plan import LoadPlan
 from .frameworks import Framework, get_framework
 
 DeviceMap = Mapping[str, Any]
@@ -64,29 +62,6 @@ def resolve_device_map(names: Sequence[str], device_map: DeviceMap) -> list[Devi
     return devices
 
 
-def interleave_by_device(plan: LoadPlan, dest_devices: Sequence[Device]) -> LoadPlan:
-    """The plan with its chunks ordered so every device's share advances at the same pace.
-
-    A chunk's rank is the fraction of its device's bytes planned before it; sorting on that
-    (stably) keeps each device's chunks in their original order and, with one device, changes
-    nothing. With the halves of a checkpoint on two GPUs, both copy links then run throughout.
-    """
-    if len(set(dest_devices)) < 2:
-        return plan
-    total: dict[Device, int] = {}
-    for c in plan.chunks:
-        dev = dest_devices[c.dest]
-        total[dev] = total.get(dev, 0) + c.run.nbytes
-    done: dict[Device, int] = dict.fromkeys(total, 0)
-    keyed = []
-    for i, c in enumerate(plan.chunks):
-        dev = dest_devices[c.dest]
-        keyed.append((done[dev] / total[dev] if total[dev] else 0.0, i, c))
-        done[dev] += c.run.nbytes
-    keyed.sort(key=lambda k: (k[0], k[1]))
-    return dataclasses.replace(plan, chunks=tuple(c for _, _, c in keyed))
-
-
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where a load's tensors land: one ``device`` for all, or a parsed ``device_map``; and the
@@ -111,7 +86,11 @@ def placement(device: Any = "cpu", framework: str | None = None, device_map: Dev
     """Parse and check a load's placement arguments, before any file is opened."""
     if device_map is None:
         dev = parse_device(device)
-        get_framework(framework, dev)   # an unknown or missing framework fails here; torch loads its CUDA runtime
+        try:
+            get_framework(framework, dev)   # an unknown or missing framework fails here; torch loads its CUDA runtime
+        except Exception:
+            check_device(dev)   # a GPU that cannot be used at all is what to say first
+            raise
         check_device(dev)
         return Placement(dev, None, framework)
     if device is not None and not (isinstance(device, str) and device.strip().lower() == "cpu"):

@@ -3,7 +3,11 @@
 The handle reads every header once and keeps the files open; ``get_tensor``, ``get_slice(...)[i]``
 and ``tensors()`` each run a load of just what they ask for (``loader``), so unasked bytes are
 never read. Besides paths it opens file objects and buffers (``io.fileobj``); a slice taken from
-it keeps working after the handle is closed, as in safetensors.
+it keeps working after the handle is closed, as in safetensors. A close while a load of the handle
+runs (from another thread, or a ``tensors()`` iterator still being consumed) leaves the files open
+until that load is over: the load returns the right bytes, a load started after the close raises
+the closed-handle error, and no load ever reads a descriptor that was closed (and perhaps reused
+for another file).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from ..format.header import TensorInfo
 from ..format.tp import TPSlice, indices_for
 from ..io import fileobj
 from ..io.checkpoint import Names, open_checkpoint, select
+from ..io.read_policy import read_policies
 from .destinations import Destinations
 from .inflight import LoadInFlight
-from .loader import close_all, gathering_files, open_sources, plan_selections, reopen_if_replaced, selections
+from .loader import close_all, open_sources, prepare, reopen_if_replaced, selections, start_pinning
 from .placement import placement
 from .progress import progress_bar
 
@@ -49,8 +54,8 @@ class SliceView:
 
 
 class SharedSources:
-    """A handle's open sources, shared with the slices taken from it: closed once the handle is
-    closed and no such slice is alive."""
+    """A handle's open sources, shared with the slices taken from it and with the loads running:
+    closed once the handle is closed and no slice or load uses them any more."""
 
     def __init__(self, sources: list) -> None:
         self.sources = sources
@@ -59,9 +64,16 @@ class SharedSources:
 
     def share_with(self, owner: object) -> None:
         """One more user, for as long as ``owner`` lives."""
-        with self._lock:
-            self._users += 1
+        self.begin()
         weakref.finalize(owner, self.release)
+
+    def begin(self) -> list:
+        """One more user (a load about to read), or the closed-handle error if none is left."""
+        with self._lock:
+            if self._users == 0:
+                raise HandleClosedError("File is closed")
+            self._users += 1
+        return self.sources
 
     def release(self) -> None:
         with self._lock:
@@ -87,17 +99,18 @@ class safe_open:
         self._verify = verify
         self._s = _settings.merge(**options)
         self._dev, self._fw = placement(device, framework).for_names(())
+        start_pinning(self._dev, self._s)
         opened = fileobj.open_object(filename) if fileobj.is_object_source(filename) else filename
         if isinstance(opened, tuple):   # a buffer, or a file object without a descriptor
             self._ck, sources = opened
+            self._policies = []
         else:
             self._ck = open_checkpoint(opened)
-            sources = open_sources(self._ck, self._s, gathering_files(self._ck, self._s))
-        # the files stay open: the plans cut the strided runs of those that gather by the bytes they land
-        self._gathered = frozenset(i for i, src in enumerate(sources) if src.gathers)
-        # files cold when opened (promoted as read, or read around the cache): read in whole slots
-        self._cold = frozenset(i for i, src in enumerate(sources)
-                               if getattr(src, "promote", False) or src.backend == "direct")
+            # how each file is read is decided once, when it is opened, for any slice of any of its
+            # tensors: every later plan of this handle is cut for it (the files stay open as opened)
+            sizes = [h.file_size for h in self._ck.headers]
+            self._policies = read_policies(self._ck.paths, sizes, range(len(sizes)), sizes, self._s, streams=False)
+            sources = open_sources(self._ck, self._policies)
         self._shared: SharedSources | None = SharedSources(sources)
         self._release = weakref.finalize(self, self._shared.release)   # once: at close(), or when dropped
 
@@ -158,12 +171,21 @@ class safe_open:
         return dict(zip(names, self._load(names)))
 
     def _start(self, names: list[str], indices=None, progress: bool | None = False, per_dest: bool = False,
-               shared: SharedSources | None = None):
-        sources = (shared or self._check()).sources
-        plan, s, verifier = plan_selections(self._ck, selections(self._ck, names, indices), self._s, self._verify,
-                                            self._dev, self._gathered, self._cold)
-        return LoadInFlight(plan, sources, Destinations.allocate(self._fw, plan, self._dev), s, check=verifier,
-                            progress=progress_bar(plan.nbytes, "load", progress), per_dest=per_dest)
+               shared: SharedSources | None = None) -> LoadInFlight:
+        """A load of ``names`` (``indices``: slices) from the open files; it holds them open until
+        it is over."""
+        shared = shared or self._check()
+        sources = shared.begin()
+        try:
+            sels = selections(self._ck, names, indices)
+            plan, s, _, verifier = prepare(self._ck, sels, self._s, self._dev, verify=self._verify,
+                                           policies=self._policies)
+            return LoadInFlight(plan, sources, Destinations.allocate(self._fw, plan, self._dev), s, check=verifier,
+                                progress=progress_bar(plan.nbytes, "load", progress), per_dest=per_dest,
+                                on_end=shared.release)
+        except BaseException:
+            shared.release()
+            raise
 
     def _load(self, names: list[str], indices=None, shared: SharedSources | None = None) -> list:
         load = self._start(names, indices, shared=shared)

@@ -3,12 +3,15 @@
 A slot is handed out, filled (file -> slot, or device -> slot), drained (slot -> device, or
 slot -> file) and handed back with the event of its last asynchronous copy; the next taker waits
 on that event, so a buffer is reused as soon as its copy is done and never sooner.
-Pinned pools are allocated once per process and device and reused across loads and saves.
+
+Pinned pools are made once per process and device and reused by every later load and save. A
+process's first load starts pinning its GPU's pool as soon as it knows the device
+(``prepare``): several threads pin slots at once while the caller reads the headers and plans,
+and a worker takes each slot as soon as it is pinned.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -16,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..io.source import ALIGN
+from . import workers
 
 
 @dataclass(eq=False, slots=True)
@@ -33,10 +37,8 @@ class Slot:
 class StagingPool:
     """Up to ``n_slots`` buffers of ``slot_bytes``; ``acquire`` blocks while all are in use.
 
-    Slots are allocated on first demand, not up front: pinning 256 MiB takes 0.1-0.19 s on the
-    H200 machine, and a first load that had to wait for all of it before its first copy now
-    starts after one slot while the other workers pin theirs. ``fill`` allocates the rest now
-    (``fs.warmup``: pay it before the load).
+    Slots are made on demand (``allocate(k)`` makes slot ``k``), by whichever thread asks first
+    or by ``fill_async``'s threads; a taker waits only for a slot that exists or is being made.
     """
 
     def __init__(self, slot_bytes: int, n_slots: int, allocate: Callable[[int], tuple[np.ndarray, Any]],
@@ -47,9 +49,11 @@ class StagingPool:
         self.n_slots = n_slots
         self.kind = kind
         self._allocate = allocate
-        self._made = 0
-        self._grow = threading.Lock()
-        self._free: queue.LifoQueue[Slot] = queue.LifoQueue()
+        self._todo = list(range(n_slots - 1, -1, -1))   # slots not made yet (popped from the end: 0 first)
+        self._making = 0                                 # slots being made now
+        self._free: list[Slot] = []
+        self._cond = threading.Condition()
+        self._filling = False
 
     @property
     def nbytes(self) -> int:
@@ -59,44 +63,78 @@ class StagingPool:
     @property
     def allocated(self) -> int:
         """How many slots exist so far."""
-        return self._made
+        with self._cond:
+            return self.n_slots - len(self._todo) - self._making
 
-    def _new_slot(self) -> Slot | None:
-        """A freshly allocated slot, or None if the pool is at its bound."""
-        with self._grow:
-            if self._made >= self.n_slots:
+    def _make(self) -> Slot | None:
+        """A freshly made slot, or None if every slot is made or being made."""
+        with self._cond:
+            if not self._todo:
                 return None
-            self._made += 1
+            k = self._todo.pop()
+            self._making += 1
         try:
-            arr, owner = self._allocate(self.slot_bytes)
+            arr, owner = self._allocate(k)
         except BaseException:
-            with self._grow:
-                self._made -= 1
+            with self._cond:
+                self._todo.append(k)
+                self._making -= 1
+                self._cond.notify_all()
             raise
+        with self._cond:
+            self._making -= 1
+            self._cond.notify_all()
         return Slot(arr, None, owner)
 
     def fill(self) -> None:
-        """Allocate every slot not yet made."""
-        while (slot := self._new_slot()) is not None:
-            self._free.put(slot)
+        """Make every slot not yet made, here."""
+        while (slot := self._make()) is not None:
+            self.release(slot)
+
+    def fill_async(self, threads: int) -> None:
+        """Make the slots not yet made on ``threads`` worker threads, beside the caller (once)."""
+        with self._cond:
+            if self._filling or not self._todo:
+                return
+            self._filling = True
+
+        def fill() -> None:
+            try:
+                self.fill()
+            except BaseException:  # noqa: BLE001 - a taker that needs the slot makes it and reports the error
+                pass
+        for w in range(max(1, min(threads, len(self._todo)))):
+            workers.run(fill, f"foxhunt-pin-{w}")
 
     def acquire(self, timeout: float | None = None) -> Slot:
-        slot = self.try_acquire()
-        if slot is not None:
-            return slot
-        try:
-            slot = self._free.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError("no staging buffer came free in time") from None
-        return self._ready(slot)
+        """A free slot: one handed back, one made now, or the next to be handed back or made."""
+        while True:
+            with self._cond:
+                if self._free:
+                    return self._ready(self._free.pop())
+                can_make = bool(self._todo)
+                if not can_make and not self._cond.wait_for(lambda: self._free or self._todo, timeout):
+                    raise TimeoutError("no staging buffer came free in time")
+            if can_make:
+                slot = self._make()
+                if slot is not None:
+                    return slot
 
     def try_acquire(self) -> Slot | None:
-        """A free slot (a new one while under the bound), or None at once if none is free."""
-        try:
-            slot = self._free.get_nowait()
-        except queue.Empty:
-            return self._new_slot()
-        return self._ready(slot)
+        """A free slot, one made now, or one being made; None at once if every slot is made and
+        taken (so that loads sharing the pool never wait on each other in a cycle)."""
+        while True:
+            with self._cond:
+                if self._free:
+                    return self._ready(self._free.pop())
+                if not self._todo:
+                    if not self._making:
+                        return None
+                    self._cond.wait()
+                    continue
+            slot = self._make()
+            if slot is not None:
+                return slot
 
     @staticmethod
     def _ready(slot: Slot) -> Slot:
@@ -107,11 +145,14 @@ class StagingPool:
 
     def release(self, slot: Slot, event: Any = None) -> None:
         slot.event = event
-        self._free.put(slot)
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
 
     def free_count(self) -> int:
-        """Slots to be had without waiting: the free ones and those not yet allocated."""
-        return self._free.qsize() + self.n_slots - self._made
+        """Slots to be had without waiting: the free ones and those not yet made."""
+        with self._cond:
+            return len(self._free) + len(self._todo)
 
 
 def host_allocate(nbytes: int) -> tuple[np.ndarray, Any]:
@@ -132,7 +173,7 @@ def host_pool(slot_bytes: int, n_slots: int) -> StagingPool:
         pool = _host_pools.get(key)
         if pool is None:
             _host_pools.clear()   # one size at a time: a settings change drops the old buffers
-            pool = _host_pools[key] = StagingPool(slot_bytes, n_slots, host_allocate, "host")
+            pool = _host_pools[key] = StagingPool(slot_bytes, n_slots, lambda k: host_allocate(slot_bytes), "host")
         return pool
 
 
@@ -149,17 +190,47 @@ def current_pinned_pool(device_index: int) -> StagingPool | None:
         return _pinned_pools.get(device_index)
 
 
+def _pinned_allocator(device_index: int, slot_bytes: int, n_slots: int) -> Callable[[int], tuple[np.ndarray, Any]]:
+    """Slot ``k`` of one arena of registered memory (``runtime.PinnedArena``), made on first use;
+    where the runtime cannot register host memory, each slot is its own ``cudaHostAlloc``."""
+    from ..cuda import runtime
+
+    arena: list[Any] = []
+    made = threading.Lock()
+
+    def allocate(k: int) -> tuple[np.ndarray, Any]:
+        with runtime.on_device(device_index):
+            with made:
+                if not arena:
+                    try:
+                        arena.append(runtime.PinnedArena(slot_bytes, n_slots))
+                    except OSError:
+                        arena.append(None)
+            if arena[0] is None:
+                return runtime.pinned(slot_bytes)
+            return arena[0].pin(k), arena[0]
+    return allocate
+
+
 def pinned_pool(device_index: int, slot_bytes: int, n_slots: int) -> StagingPool:
     """The process-wide pool of pinned slots of one GPU, shared by its loads and saves; a new size
     (a settings change) replaces it (slots of the old pool go back to it and are freed with it)."""
-    from ..cuda import runtime
-
     with _lock:
         pool = _pinned_pools.get(device_index)
         if pool is None or pool.slot_bytes != slot_bytes or pool.n_slots != n_slots:
-            def allocate(nbytes: int):
-                with runtime.on_device(device_index):
-                    return runtime.pinned(nbytes)
-
-            pool = _pinned_pools[device_index] = StagingPool(slot_bytes, n_slots, allocate, f"pinned:{device_index}")
+            pool = _pinned_pools[device_index] = StagingPool(
+                slot_bytes, n_slots, _pinned_allocator(device_index, slot_bytes, n_slots), f"pinned:{device_index}")
         return pool
+
+
+def slot_bytes(chunk_bytes: int) -> int:
+    """The size of a staging slot for chunks of ``chunk_bytes``: room for an O_DIRECT read's
+    alignment on both sides."""
+    return chunk_bytes + 2 * ALIGN
+
+
+def prepare(device_index: int, chunk_bytes: int, n_slots: int, threads: int) -> None:
+    """Start pinning GPU ``device_index``'s pool for chunks of ``chunk_bytes`` on ``threads``
+    threads, beside the caller; nothing when it is pinned already. A load calls this first thing,
+    so that its workers find their slots pinned, or being pinned, when they start."""
+    pinned_pool(device_index, slot_bytes(chunk_bytes), n_slots).fill_async(threads)

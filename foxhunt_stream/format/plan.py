@@ -6,9 +6,11 @@ destination. A whole tensor is one run of height 1; ``x[a:b]`` is one run; a col
 ``x[:, a:b]`` is a run whose rows are the tensor's rows. A source reads such a strided run either
 as its whole row span (positional reads cannot skip the gaps between rows) or by gathering only
 its rows out of a mapping of the file; only the selected bytes land either way.
-``plan_load`` cuts the runs of the selections into chunks: a strided run of a file whose source
-gathers by the bytes it lands, any other run by the span it reads. The saver uses the same runs
-with height 1 to cut tensors into chunks (``plan_save``).
+``plan_load`` cuts the runs of the selections into chunks, by how each file is read (a strided
+run of a file that gathers by the bytes it lands, any other run by the span it reads; a file read
+from the disk in whole slots) and puts them in the order the workers take them, all in one call:
+the plan is made once. The saver uses the same runs with height 1 to cut tensors into chunks
+(``plan_save``).
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Collection, Iterable, NamedTuple, Sequence, TypeVar
+from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, TypeVar
 
 from .dtypes import DType
 from .header import TensorInfo
 from .indexing import Run, slice_runs
 
-__all__ = ["Run", "Chunk", "Destination", "LoadPlan", "Selection", "split_run", "plan_load", "plan_save",
-           "small_chunks_last", "is_small", "in_turn", "take_in_turn"]
+__all__ = ["Run", "Chunk", "Destination", "LoadPlan", "Selection", "FileRead", "split_run", "plan_load",
+           "plan_save", "small_chunks_last", "is_small", "in_turn", "take_in_turn",
+           "interleave_by_device", "span_bytes", "ORDERS"]
 
 T = TypeVar("T")
 # Run(...), Chunk(...) and Destination(...) without their Python-level __new__: a 16 GB full load
@@ -112,31 +115,54 @@ class Selection(NamedTuple):
     name: str | None = None  # result name; defaults to the tensor's
 
 
-def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 1,
-              gathered: Collection[int] = (), read_bytes: int | None = None,
-              cold: Collection[int] = ()) -> LoadPlan:
-    """Destinations and chunks for the selections, chunks in selection order.
+class FileRead(Protocol):
+    """What the planner needs to know of how a file is read (``io.read_policy.ReadPolicy``)."""
+    gather: bool      # its strided runs are gathered row by row (cut by the bytes they land)
+    from_disk: bool   # read from the disk: whole slots
+    streams: int      # read as this many sequential streams
+
+    def stream(self, offset: int) -> int: ...   # the stream that reads ``offset``
+
+
+# how a plan orders its chunks: as selected (a caller waiting tensor by tensor), for a load
+# awaited whole (cold streams taken in turn, the smallest chunks last), by device (device_map)
+ORDERS = ("selection", "whole", "by_device")
+
+
+def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 1, *,
+              files: Sequence[FileRead] = (), read_bytes: int | None = None, order: str = "selection",
+              devices: Sequence[Any] = ()) -> LoadPlan:
+    """Destinations and chunks for the selections, in the order the workers take them.
 
     A tensor cut into pieces is cut at multiples of ``granule`` (and of its itemsize) from its
     start: with checksum blocks as the granule, every chunk holds whole blocks (see integrity).
-    ``gathered``: the files whose sources gather strided runs row by row. Their strided runs are
-    cut by the bytes that land, so a chunk of a TP=8 column slice carries ``chunk_bytes`` of the
-    slice rather than of the rows it crosses; every other run is cut by the span it reads into
-    pieces of ``read_bytes`` (default and at most ``chunk_bytes``, a staging slot; never below
-    the granule). Gathers pay per chunk, positional reads out of the page cache pay for a bigger
-    ring of slots. ``cold``: files mostly not in the page cache, read in whole slots (the disk
-    serves bigger requests better).
+    ``files[f]`` says how file ``f`` is read (none given: positional reads of a cached file). The
+    strided runs of a file that gathers are cut by the bytes that land, so a chunk of a TP=8
+    column slice carries ``chunk_bytes`` of the slice rather than of the rows it crosses; every
+    other run is cut by the span it reads into pieces of ``read_bytes`` (default and at most
+    ``chunk_bytes``, a staging slot; never below the granule), or of a whole slot for a file read
+    from the disk (which serves bigger requests better). Gathers pay per chunk, positional reads
+    out of the page cache pay for a bigger ring of slots.
+
+    ``order``: "selection" keeps the chunks in selection order; "whole" (a load awaited whole)
+    takes each file read as several streams from its streams in turn (``take_in_turn``) and ends
+    on the smallest chunks (``small_chunks_last``); "by_device" interleaves the chunks of the
+    devices ``devices[d]`` of the destinations (``interleave_by_device``).
     """
     if granule > chunk_bytes:
         raise ValueError(f"granule ({granule}) larger than the chunk size ({chunk_bytes})")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     cut = chunk_bytes if read_bytes is None else max(granule, min(read_bytes, chunk_bytes))
     dests, chunks, counts = [], [], []
     add = chunks.append
     granules: dict[int, int] = {}
+    gathers = {f for f, r in enumerate(files) if r.gather}
+    whole_slots = {f for f, r in enumerate(files) if r.from_disk}
     for i, (f, data_start, info, index, name) in enumerate(selections):
         shape, runs = slice_runs(info, data_start, index)
         n = len(chunks)
-        packed = f in gathered
+        packed = f in gathers
         nbytes = 0
         for r in runs:
             _, pitch, width, height, _ = r
@@ -145,7 +171,7 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
             # (Run.span written out: this loop runs once per run of every load)
             gather = packed and height > 1
             size = width if height == 1 else width * height if gather else (height - 1) * pitch + width
-            most = chunk_bytes if gather or f in cold else cut
+            most = chunk_bytes if gather or f in whole_slots else cut
             if size <= most:   # most runs: no cutting
                 add(_new(Chunk, (f, i, r)))
                 continue
@@ -154,7 +180,50 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
             chunks.extend([_new(Chunk, (f, i, piece)) for piece in split_run(r, most, granule=g, packed=gather)])
         dests.append(_new(Destination, (name or info.name, info.dtype, shape, nbytes)))
         counts.append(len(chunks) - n)
-    return LoadPlan(tuple(dests), tuple(chunks), tuple(counts))
+    plan = LoadPlan(tuple(dests), tuple(chunks), tuple(counts))
+    if order == "whole":
+        streamed = {f: r for f, r in enumerate(files) if r.streams > 1}
+        if streamed:
+            plan = take_in_turn(plan, lambda c: streamed[c.file].stream(c.run.src)
+                                if c.file in streamed and c.run.height == 1 else None)
+        plan = small_chunks_last(plan, cut)
+    elif order == "by_device":
+        plan = interleave_by_device(plan, devices)
+    return plan
+
+
+def span_bytes(selections: Sequence[Selection], n_files: int) -> list[int]:
+    """The bytes positional reads take from each of ``n_files`` files for ``selections`` (a
+    strided run: its whole row span): what a load needs of each file before it knows how the file
+    is read (``io.read_policy``'s budget)."""
+    out = [0] * n_files
+    for f, data_start, info, index, _ in selections:
+        for _, pitch, width, height, _ in slice_runs(info, data_start, index)[1]:
+            out[f] += width if height == 1 else (height - 1) * pitch + width if height else 0
+    return out
+
+
+def interleave_by_device(plan: LoadPlan, dest_devices: Sequence[Any]) -> LoadPlan:
+    """The plan with its chunks ordered so every device's share advances at the same pace.
+
+    A chunk's rank is the fraction of its device's bytes planned before it; sorting on that
+    (stably) keeps each device's chunks in their original order and, with one device, changes
+    nothing. With the halves of a checkpoint on two GPUs, both copy links then run throughout.
+    """
+    if len(set(dest_devices)) < 2:
+        return plan
+    total: dict[Any, int] = {}
+    for c in plan.chunks:
+        dev = dest_devices[c.dest]
+        total[dev] = total.get(dev, 0) + c.run.nbytes
+    done: dict[Any, int] = dict.fromkeys(total, 0)
+    keyed = []
+    for i, c in enumerate(plan.chunks):
+        dev = dest_devices[c.dest]
+        keyed.append((done[dev] / total[dev] if total[dev] else 0.0, i, c))
+        done[dev] += c.run.nbytes
+    keyed.sort(key=lambda k: (k[0], k[1]))
+    return LoadPlan(plan.destinations, tuple(c for _, _, c in keyed), plan.chunks_per_dest)
 
 
 def is_small(run: Run, under: int) -> bool:

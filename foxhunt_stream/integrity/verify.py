@@ -10,13 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import settings as _settings
-from ..engine.loader import open_sources
+from ..engine.loader import open_sources, prepare, selections
 from ..engine.pipeline import Job
-from ..engine.staging import host_pool
+from ..engine.staging import host_pool, slot_bytes
 from ..engine.targets import read_inspected
-from ..format.plan import Selection, plan_load
 from ..io.checkpoint import open_checkpoint
-from ..io.source import ALIGN
 from .verifier import Verifier
 
 
@@ -42,14 +40,12 @@ def verify(source, *, require_checksums: bool = False, **options) -> VerifyRepor
     s = _settings.merge(**options)
     ck = open_checkpoint(source)
     names = ck.file_order()
-    sels = [Selection(f, ck.headers[f].data_start, info) for f, info in (ck.names[n] for n in names)]
-    sizes = [sel.info.nbytes for sel in sels]
-    verifier = Verifier.for_selections(ck, sels, sizes, require=require_checksums)
-    s = verifier.settings(s)
-    plan = plan_load(sels, s.chunk_bytes, granule=verifier.granule)
-    sources = open_sources(ck, s)   # the loader's: backend choice, same-file check
+    sels = selections(ck, names)
+    verifier = Verifier.for_selections(ck, sels, [sel.info.nbytes for sel in sels], require=require_checksums)
+    plan, s, policies, _ = prepare(ck, sels, s, verifier=verifier)
+    sources = open_sources(ck, policies)   # the loader's: how each file is read, same-file check
     try:
-        pool = host_pool(s.chunk_bytes + 2 * ALIGN, max(s.threads, 1))
+        pool = host_pool(slot_bytes(s.chunk_bytes), max(s.threads, 1))
 
         def work(worker: int, chunk) -> None:
             slot = pool.acquire()

@@ -76,8 +76,8 @@ class FileSource:
     """An open file, read with positional reads. Thread-safe: reads share no file position.
 
     With ``gather`` (backend ``auto``) it also maps the file, once, and ``gather`` packs strided
-    runs out of that mapping; the load's plan was cut for it (``plan_load(gathered=)``), so a file
-    that cannot be mapped is an error here, not a quiet fallback to reading whole spans."""
+    runs out of that mapping; the load's plan was cut for it (``io.read_policy``), so a file that
+    cannot be mapped is an error here, not a quiet fallback to reading whole spans."""
 
     backend = "pread"
     direct_reads = True   # can read straight into any host buffer (no alignment constraints)
@@ -110,22 +110,12 @@ class FileSource:
             raise OSError(f"{self.path}: cannot map the file to {why} ({e}); load it with backend='pread'") from e
 
     @property
-    def plain(self) -> bool:
-        """Whether a contiguous read is one positional read into any buffer and nothing else: no
-        O_DIRECT alignment, no test fault hook, no promotion of freshly cached pages. A caller may
-        then ``os.preadv`` on ``fd`` itself (finishing a short or failed read with ``read_into``,
-        which reports it) and ``count`` the bytes it read."""
-        return (type(self).read_into is FileSource.read_into and self.direct_reads and not self.promote
-                and fault_hook is None)
-
-    @property
     def gathers(self) -> bool:
         """Whether ``gather`` packs strided runs (the plan cuts them by the bytes they land)."""
         return self.map is not None
 
     def count(self, n: int) -> None:
-        """Add ``n`` tensor bytes read to this source's and the process's counts (a caller that
-        reads ``fd`` itself, see ``plain``, counts once for many reads)."""
+        """Add ``n`` tensor bytes read to this source's and the process's counts."""
         global _total_read
         with _total_lock:   # one short lock per read: both counters
             self.bytes_read += n
@@ -401,11 +391,12 @@ class DirectSource(FileSource):
         super().close()
 
 
-def open_source(path, backend: str = "pread", expected_size: int | None = None) -> FileSource:
-    """A source for ``backend``; ``auto`` maps the file for gathers (the loader gives ``auto`` only
-    to files in the page cache)."""
+def open_source(path, backend: str = "pread", expected_size: int | None = None, *, gather: bool = False) -> FileSource:
+    """A source for ``backend``: positional reads (``pread``; with ``gather``, or ``auto``, the
+    file is also mapped and its strided runs gathered out of the mapping), copies out of a mapping
+    (``mmap``) or O_DIRECT reads (``direct``)."""
     if backend in ("pread", "auto"):
-        return FileSource(path, expected_size, gather=backend == "auto")
+        return FileSource(path, expected_size, gather=gather or backend == "auto")
     if backend == "mmap":
         return MmapSource(path, expected_size)
     if backend == "direct":

@@ -17,7 +17,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from ..engine.pipeline import Cancelled, Job
+from ..engine.pipeline import Job
+from ..errors import CancelledError
 from ..io.pagecache import resident_fraction
 from ..io.source import FileSource
 from .importtrace import code_files, dist_records, prefetch_metadata, run_unwatched, unwatch_this_thread
@@ -135,7 +136,7 @@ class TracedCodeReader:
 
     def _read(self, worker: int, piece: Piece) -> None:
         if self.cancelled():   # not even opened (and hinted: a hint queues the whole piece)
-            raise Cancelled("cancelled")
+            raise CancelledError("cancelled")
         try:
             src = FileSource(self.paths[piece.file])
         except OSError:
@@ -143,7 +144,7 @@ class TracedCodeReader:
         with src:   # best effort: a failed or short read ends the file; the import reads its own files
             if not read_range(src, piece.offset, piece.length, self._scratch[worker], cancelled=self.cancelled,
                               hint=True, hint_only=self._advise_only, best_effort=True, count=False):
-                raise Cancelled("cancelled")
+                raise CancelledError("cancelled")
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the files are read and their directories and inodes prefetched."""

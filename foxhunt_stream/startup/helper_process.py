@@ -22,7 +22,8 @@ import sys
 import threading
 from typing import Any, BinaryIO, Callable, Sequence
 
-from ..engine.pipeline import Cancelled, Job
+from ..engine.pipeline import Job
+from ..errors import CancelledError
 from ..errors import FormatError
 from ..io.source import FileSource
 from .importtrace import prefetch_record_metadata
@@ -112,7 +113,7 @@ class ChildJob:
                     self.error = _error_from(json.loads(line[2:]))
             rc = proc.wait()
             if self.error is None and self._cancel.is_set():
-                self.error = Cancelled("cancelled")
+                self.error = CancelledError("cancelled")
             elif self.error is None and (rc != 0 or landed < len(self.items)):
                 self._stderr.seek(0)
                 tail = self._stderr.read()[-2000:].decode("utf-8", "replace").strip()
@@ -214,7 +215,7 @@ def _outcome(job: Job) -> BaseException | None:
     """The error that stopped the readers; None when they read everything or were stopped."""
     try:
         job.wait()
-    except Cancelled:
+    except CancelledError:
         return None
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         return e

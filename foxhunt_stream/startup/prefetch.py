@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from .. import settings as _settings
 from ..engine.pipeline import Job
-from ..io import cache_policy, pagecache
+from ..io import pagecache, read_policy
 from ..io.pagecache import resident_fraction
 from ..io.source import FileSource, open_source
 from .code_files import TracedCodeReader
@@ -299,7 +299,7 @@ class PrefetchHandle:
     def wait(self, name: str | None = None, timeout: float | None = None) -> None:
         """Block until the prefetch (or only tensor ``name``'s bytes) is in the page cache.
 
-        Re-raises the first reader error (``pipeline.Cancelled`` after ``cancel``); TimeoutError
+        Re-raises the first reader error (``fs.CancelledError`` after ``cancel``); TimeoutError
         if ``timeout`` seconds pass first.
         """
         if name is None:
@@ -383,7 +383,7 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     ``"read"`` (read each piece: done() means resident) or ``"advise"`` (``posix_fadvise
     (WILLNEED)`` only: no reads, but the kernel may still be reading after done()). Files already
     fully resident are skipped (``skip_resident``), and so are the files a load would read around
-    the page cache, which would not stay in it (``io.cache_policy``; listed in ``skipped``).
+    the page cache, which would not stay in it (``io.read_policy``; listed in ``skipped``).
     Options as for the loader: ``threads``
     (readers; default the loader's count, at most 8), ``chunk_bytes`` (the piece each reader
     takes at a time). ``priority``: ``"idle"`` (the startup case: the readers' I/O in the idle
@@ -454,7 +454,7 @@ def _check_arguments(method: str, priority: str, max_rate: float | None, helper_
 
 
 def _beyond_the_cache(paths: Sequence[str], spans: list[list[tuple[int, int]]], s: _settings.Settings) -> list[str]:
-    """The files a load would read around the page cache (``io.cache_policy``, or ``direct_io="on"``):
+    """The files a load would read around the page cache (``io.read_policy``, or ``direct_io="on"``):
     warming them would only evict the rest, and the load would not read them from the cache."""
     if s.direct_io == "off":
         return []
@@ -462,7 +462,7 @@ def _beyond_the_cache(paths: Sequence[str], spans: list[list[tuple[int, int]]], 
     if s.direct_io == "on":
         skipped = [paths[f] for f in wanted]
     else:
-        keep = cache_policy.read_through_cache([paths[f] for f in wanted],
+        keep = read_policy.read_through_cache([paths[f] for f in wanted],
                                                [sum(end - start for start, end in spans[f]) for f in wanted])
         skipped = [paths[f] for f, k in zip(wanted, keep) if not k]
     if skipped:

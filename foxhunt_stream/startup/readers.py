@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable, Iterable, Mapping, NamedTuple
 
-from ..engine.pipeline import Cancelled
+from ..errors import CancelledError
 from ..errors import FormatError
 from ..io.pagecache import advise
 from ..io.source import FileSource
@@ -234,4 +234,4 @@ class PieceReaders:
         if not read_range(self.sources[piece.file], piece.offset, piece.length, self._scratch.get(worker),
                           step=self.step, pacer=self.pacer, cancelled=self._cancelled, copy=self.copying,
                           hint=self._hint, hint_only=self._hint_only):
-            raise Cancelled("cancelled")
+            raise CancelledError("cancelled")

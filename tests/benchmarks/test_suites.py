@@ -182,40 +182,6 @@ def test_the_runner_on_the_cpu(tmp_path):
     assert math.isfinite(tp["floor_fraction"]) and tp["floor_fraction"] > 0   # a time ratio: no bound on a CPU smoke run
 
 
-def test_the_load_timeline_marks_every_step_of_each_load(tmp_path):
-    """Its own process: it wraps the loader's functions."""
-    import re
-    import subprocess
-    here = os.path.dirname(os.path.abspath(common.__file__))
-    out = subprocess.run([sys.executable, os.path.join(here, "load_timeline.py"), str(tmp_path / "ck"),
-                          "--size", "16MiB", "--device", "cpu", "--rounds", "1"],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
-    cases = re.split(r"^== ", out, flags=re.M)[1:]
-    assert [c.split(":")[0] for c in cases] == ["full", "rows", "Llama", "columns"]
-    for case in cases:
-        at = {m[0]: (float(m[1]), float(m[2])) for m in
-              re.findall(r"^   (\S.*?)\s+first\s+(\S+)\s+median\s+\S+\s+last\s+(\S+)", case, flags=re.M)}
-        assert {"open_resolved", "plan_selections", "open_sources", "worker start", "worker end",
-                "returned"} <= set(at)
-        assert at["open_sources"][0] <= at["worker start"][0] <= at["worker end"][1] <= at["returned"][0]
-
-
-def test_the_load_timeline_marks_the_chunks_of_a_worker_running_its_own_loop():
-    """A plain load to one GPU hands each worker the chunks it claims (Job(drain=)): the
-    timeline marks a chunk's start at its claim and its end at the next claim."""
-    import subprocess
-    here = os.path.dirname(os.path.abspath(common.__file__))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import load_timeline as lt\n"
-            "from foxhunt_stream.engine.pipeline import Job\n"
-            "marks = lt.Marks(); lt.instrument(marks)\n"
-            "seen = []\n"
-            "Job(list(range(5)), None, threads=2, drain=lambda w, claims: seen.extend(claims)).start().wait(60)\n"
-            "print(sorted(seen), len(marks.at['chunk start']), len(marks.at['chunk end']), len(marks.at['worker end']))\n")
-    out = subprocess.run([sys.executable, "-c", code, here], capture_output=True, text=True, timeout=120,
-                         check=True).stdout.split("\n")[0]
-    assert out == "[0, 1, 2, 3, 4] 5 5 2", out
-
-
 def test_the_chunk_size_sweep_times_every_plan_at_every_size_in_one_process(tmp_path):
     import subprocess
     here = os.path.dirname(os.path.abspath(common.__file__))

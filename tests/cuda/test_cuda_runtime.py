@@ -10,6 +10,11 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
+import pytest
+
+from foxhunt_stream.cuda import runtime
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAKE_CUPY = os.path.join(REPO, "tests", "fakecuda")
 
@@ -100,6 +105,8 @@ def test_foxhunt_cudart_cupy_takes_cupys_runtime_even_with_cupy_backends(tmp_pat
 def test_without_any_runtime_a_gpu_load_says_why_and_how_to_install_one():
     r = _run("import sys; sys.modules['cupy_backends'] = None; sys.modules['cupy'] = None\n"
              "import foxhunt_stream as fs\n"
+             "from foxhunt_stream.cuda import runtime\n"
+             "runtime.has_driver = lambda: True   # a machine with a GPU and its driver\n"
              "try:\n"
              "    from foxhunt_stream.cuda import devices\n"
              "    devices.check_device(devices.Device('cuda', 0))\n"
@@ -107,4 +114,18 @@ def test_without_any_runtime_a_gpu_load_says_why_and_how_to_install_one():
              "    print('DeviceError:', e)\n", [])
     out = r.stdout
     assert r.returncode == 0 and "cuda:0 cannot be used: no CUDA runtime: cupy is not installed" in out, r.stderr[-3000:]
-    assert "pip install 'foxhunt-stream[cuda13]'" in out and "framework='pt'" in out
+    assert "pip install cupy-cuda13x" in out and "framework='pt'" in out
+
+
+@pytest.mark.skipif(runtime.has_driver(), reason="this machine has an NVIDIA driver")
+def test_on_a_machine_without_a_gpu_a_load_to_cuda_says_there_is_no_driver(tmp_path):
+    """The default framework for a GPU is cupy; without a GPU the error is that, not cupy's install."""
+    np.save(tmp_path / "unused.npy", np.zeros(1))
+    r = _run("import numpy as np, foxhunt_stream as fs\n"
+             f"fs.save_file({{'x': np.zeros(4, np.float32)}}, {str(tmp_path / 'x.safetensors')!r})\n"
+             "try:\n"
+             f"    fs.load_file({str(tmp_path / 'x.safetensors')!r}, device='cuda:0')\n"
+             "except fs.DeviceError as e:\n"
+             "    print('DeviceError:', e)\n", [])
+    assert "DeviceError: cuda:0 cannot be used: no NVIDIA driver on this machine" in r.stdout, r.stdout + r.stderr
+    assert "cupy" not in r.stdout

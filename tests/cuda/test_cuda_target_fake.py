@@ -1,8 +1,8 @@
 """The GPU target's bookkeeping on a host-only stand-in for cupy (tests/fakecuda): every chunk
 lands where it belongs (contiguous and 2-D runs, and runs a source gathers: packed, one contiguous
-copy), each worker's ring comes from the device pool
-and goes back to it whole, and a settings change that replaces the pool mid-load does not mix
-slots of two sizes. Runs in a subprocess so the stand-in never shadows a real cupy."""
+copy), each worker's ring comes from the device pool (slots of one registered mapping) and goes
+back to it whole, and a settings change that replaces the pool mid-load does not mix slots of two
+sizes. Runs in a subprocess so the stand-in never shadows a real cupy."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent("""
     for i, run in enumerate(runs):
         t.land(i % 2, src, run, buf)
     assert t.pool().free_count() == 0                 # both rings out
-    assert t.pool().allocated == 8 and len(cupy.cuda.runtime._host) == 8   # each slot one cudaHostAlloc
+    # each slot registered on its own out of one mapping (no cudaHostAlloc)
+    assert t.pool().allocated == 8 and len(cupy.cuda.runtime.registered) == 8 and not cupy.cuda.runtime._host
     assert all(isinstance(ev, cudart.Event) for r in t._rings.values() for ev in r.events)
     t.release_worker(0); t.release_worker(1); t.release_worker(7)
     assert t.pool().free_count() == 8                 # all back, none twice
@@ -59,13 +60,13 @@ SCRIPT = textwrap.dedent("""
     assert t2.pool() is not old
     t.release_worker(0); t2.release_worker(0)
     assert old.free_count() == 8 and t2.pool().free_count() == 4
-    assert all(s.array.nbytes == old.slot_bytes for s in list(old._free.queue))
+    assert all(s.array.nbytes == old.slot_bytes for s in list(old._free))
 
     # a failure while a ring is being built gives its slots back (the pool is process-wide)
     t3 = target.CudaTarget(0, 8192, 4, threads=1)
     real_event = cupy.cuda.runtime.eventCreateWithFlags
     cupy.cuda.runtime.eventCreateWithFlags = None        # calling it raises TypeError
-    for s in t3.pool()._free.queue:
+    for s in t3.pool()._free:
         s.cuda_event = None
     try:
         t3.land(0, src, plan.Run(src=0, pitch=8192, width=8192, height=1, dst=0), buf)
@@ -107,33 +108,16 @@ SCRIPT = textwrap.dedent("""
     want = np.concatenate([data[1000 + r * 3000:1000 + r * 3000 + 300] for r in range(12)])
     assert np.array_equal(dev_mem[64:64 + 3600], want) and two_d == []
 
-    # land_all, a worker's own loop over the chunks it claims: contiguous chunks of a plain source
-    # are read, copied and recorded in place, a strided one goes through land, a destination not
-    # made yet is asked for after its chunk's read, and the bytes read are counted once at the end
-    t6 = target.CudaTarget(0, 4096, 2, threads=1)
-    dev_mem[:] = 0
-    made = []
-    before, total_before, copies_before = src.bytes_read, source.total_bytes_read(), cupy.cuda.runtime.copies
-    t6.land_all(0, iter([plan.Chunk(0, 0, r) for r in runs]), [src], [None], lambda d: made.append(d) or buf)
-    t6.release_worker(0)
-    assert np.array_equal(dev_mem[:32768], data[:32768])
-    rows = np.concatenate([data[32768 + r * 512:32768 + r * 512 + 128] for r in range(8)])
-    assert np.array_equal(dev_mem[40000:40000 + 1024], rows)
-    assert made == [0] * len(runs)   # never stored in the list given, so asked each time
-    read = 32768 + runs[-1].span      # the strided run: its whole span (no mapping)
-    assert src.bytes_read - before == read and source.total_bytes_read() - total_before == read
-    assert cupy.cuda.runtime.copies - copies_before == len(runs)
-    assert t6.pool().free_count() == 2
     # a read that comes back short (the file shorter than its header says) is reported naming the
-    # file, by the source; and so is one a test's fault hook cuts short (that source is not plain)
+    # file, and so is one a test's fault hook cuts short; the ring's slots all go back
     short_path = path + ".short"
     data[:10000].tofile(short_path)
     short = source.FileSource(short_path)
-    assert short.plain
+    t6 = target.CudaTarget(0, 4096, 2, threads=1)
     for hook in (None, lambda s, off, n: n // 2):
         source.fault_hook = hook
         try:
-            t6.land_all(0, iter([plan.Chunk(0, 0, plan.Run(8192, 4096, 4096, 1, 0))]), [short], [buf], None)
+            t6.land(0, short, plan.Run(8192, 4096, 4096, 1, 0), buf)
         except fs_errors.FormatError as e:
             assert e.rule == "file-truncated" and short_path in str(e), e
         else:
@@ -156,25 +140,24 @@ SCRIPT = textwrap.dedent("""
     fs.save_file(tensors, ck_path, checksum="xxh3-64", checksum_block=4096)
     ck = open_checkpoint(ck_path)
     names = sorted(tensors)
+    gpu = device.Device("cuda", 0)
     for verify in (False, True):
-        s = settings.merge(chunk_bytes=4096, staging_bytes=3 * 4096, threads=8)   # 3 slots, 8 threads asked
-        plan_, s2, verifier = loader.plan_selections(ck, loader.selections(ck, names), s, verify)
+        s = settings.merge(chunk_bytes=4096, staging_bytes=3 * 4096, threads=8, verify_on="read")   # 3 slots, 8 threads asked
+        plan_, s2, policies, verifier = loader.prepare(ck, loader.selections(ck, names), s, gpu, verify=verify)
         arrays = [np.zeros(tensors[n].shape, np.float32) for n in names]
-        bufs = [Buffer(device.Device("cuda", 0), a.nbytes, None, a.ctypes.data) for a in arrays]
-        sources = loader.open_sources(ck, s2)
+        bufs = [Buffer(gpu, a.nbytes, None, a.ctypes.data) for a in arrays]
+        sources = loader.open_sources(ck, policies)
         before = source.total_bytes_read()
         landing = inflight.LoadInFlight(plan_, sources, destinations.Destinations.fixed(bufs, arrays), s2, check=verifier)
         landing.finish()
         loader.close_all(sources)
         assert landing.job.workers == 3, landing.job.workers
-        # untracked, one GPU: the workers ran the target's own loop (with checksums: chunk by chunk)
-        assert (landing._streamed is None) == verify
         assert source.total_bytes_read() - before == sum(c.run.span for c in plan_.chunks)
         assert all(np.array_equal(a, tensors[n]) for a, n in zip(arrays, names))
         pool = staging.pinned_pool(0, s2.chunk_bytes + 2 * 4096, s2.n_slots)
         assert pool.free_count() == pool.n_slots
 
-    # a progress bar does not take the load off the workers' own loop: it is told every byte
+    # a progress bar is told every byte
     from foxhunt_stream.engine.progress import Progress
 
     class Bar:
@@ -187,15 +170,15 @@ SCRIPT = textwrap.dedent("""
             self.closed = True
     bar = Bar()
     s = settings.merge(chunk_bytes=4096, staging_bytes=3 * 4096, threads=3)
-    plan_, s2, _ = loader.plan_selections(ck, loader.selections(ck, names), s)
+    plan_, s2, policies, _ = loader.prepare(ck, loader.selections(ck, names), s, gpu)
     arrays = [np.zeros(tensors[n].shape, np.float32) for n in names]
-    bufs = [Buffer(device.Device("cuda", 0), a.nbytes, None, a.ctypes.data) for a in arrays]
-    sources = loader.open_sources(ck, s2)
+    bufs = [Buffer(gpu, a.nbytes, None, a.ctypes.data) for a in arrays]
+    sources = loader.open_sources(ck, policies)
     landing = inflight.LoadInFlight(plan_, sources, destinations.Destinations.fixed(bufs, arrays), s2,
                                     progress=Progress(bar))
     landing.finish()
     loader.close_all(sources)
-    assert landing._streamed is not None and bar.n == plan_.nbytes and bar.closed, (bar.n, plan_.nbytes)
+    assert bar.n == plan_.nbytes and bar.closed, (bar.n, plan_.nbytes)
     assert all(np.array_equal(a, tensors[n]) for a, n in zip(arrays, names))
 
     # a column slice of a file in the page cache, the whole way: chunks carry at most a chunk of
@@ -207,13 +190,12 @@ SCRIPT = textwrap.dedent("""
     s = settings.merge(chunk_bytes=4096, staging_bytes=4 * 4096, threads=2, backend="auto")   # the gathering backend
     from foxhunt_stream.io import pagecache
     pagecache.resident_fraction = lambda p, samples=64: 1.0   # even if the caches were dropped meanwhile
-    gathered = loader.gathering_files(ck, s)
-    assert gathered == {0}
     sels = loader.selections(ck, ["x"], {"x": (slice(None), slice(250, 500))})
-    plan_, s2, _ = loader.plan_selections(ck, sels, s, gathered=gathered)
+    plan_, s2, policies, _ = loader.prepare(ck, sels, s, gpu)
+    assert [p.gather for p in policies] == [True]
     assert max(c.run.nbytes for c in plan_.chunks) <= 4096 < 4096 + 2 * 4096 < max(c.run.span for c in plan_.chunks)
     out = np.zeros((64, 250), np.float32)
-    sources = loader.open_sources(ck, s2, gathered)
+    sources = loader.open_sources(ck, policies)
     dest = destinations.Destinations.fixed([Buffer(device.Device("cuda", 0), out.nbytes, None, out.ctypes.data)], [out])
     inflight.LoadInFlight(plan_, sources, dest, s2).finish()
     loader.close_all(sources)

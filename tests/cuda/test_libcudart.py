@@ -171,19 +171,21 @@ PIPELINE = """
     ck = open_checkpoint(sys.argv[1])
     names = sorted(tensors)
     gpu = devices.Device("cuda", 0)
-    s = settings.merge(chunk_bytes=4096, staging_bytes=4 * 4096, threads=2)
+    s = settings.merge(chunk_bytes=4096, staging_bytes=4 * 4096, threads=2, backend="pread")   # no gathers
     for verify, index in ((True, {}), (False, {"m": (slice(None), slice(8, 40))})):   # a 2-D copy: a column slice
-        plan, s2, verifier = loader.plan_selections(ck, loader.selections(ck, names, index), s, verify, gpu)
+        plan, s2, policies, verifier = loader.prepare(ck, loader.selections(ck, names, index), s, gpu, verify=verify)
         want = {n: tensors[n][index[n]] if n in index else tensors[n] for n in names}
         arrays = [np.zeros(want[n].shape, np.float32) for n in names]
         bufs = [Buffer(gpu, a.nbytes, None, a.ctypes.data) for a in arrays]
-        sources = loader.open_sources(ck, s2)
+        sources = loader.open_sources(ck, policies)
         inflight.LoadInFlight(plan, sources, destinations.Destinations.fixed(bufs, arrays), s2, check=verifier).finish()
         loader.close_all(sources)
         for a, n in zip(arrays, names):
             assert np.array_equal(a, want[n]), n
     used = {name for name, _ in lib.calls}
-    assert {"cudaHostAlloc", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaEventRecord", "cudaStreamCreateWithFlags"} <= used
+    # the staging slots: one anonymous mapping, each slot registered (no cudaHostAlloc)
+    assert {"cudaHostRegister", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaEventRecord",
+            "cudaStreamCreateWithFlags"} <= used and "cudaHostAlloc" not in used
 
     # the saver's direction: device bytes -> a pinned slot
     t = targets.CudaTarget(0, 4096, 2)
@@ -252,12 +254,17 @@ def test_a_misspelled_foxhunt_cudart_lists_the_choices():
     (diagnose.TorchFacts(installed=True), "torch is installed but not imported yet", "import torch first"),
     (diagnose.TorchFacts(True, True, "2.13.0+cpu", None), "torch 2.13.0+cpu is a CPU-only build",
      "install a CUDA build of torch"),
-    (diagnose.TorchFacts(True, True, "2.9.0+rocm6.4", None, "6.4"), "is a ROCm build", "[cuda13]"),
+    (diagnose.TorchFacts(True, True, "2.9.0+rocm6.4", None, "6.4"), "is a ROCm build", "cupy-cuda13x"),
 ])
 def test_no_runtime_says_why_and_what_to_install(facts, says, fix):
     msg = diagnose.no_runtime(facts, cupy_installed=False)
     assert "cupy is not installed" in msg and says in msg and fix in msg
-    assert "pip install 'foxhunt-stream[cuda13]'" in msg
+    assert "pip install cupy-cuda13x" in msg   # a package the index has (the project installs from a checkout)
+
+
+def test_without_a_driver_no_runtime_says_that_first():
+    msg = diagnose.no_runtime(diagnose.TorchFacts(installed=False), cupy_installed=False, driver=False)
+    assert "no NVIDIA driver" in msg and "device='cpu'" in msg and "cupy" not in msg
 
 
 def test_a_runtime_failure_says_whether_the_driver_or_the_gpu_is_missing():

@@ -21,8 +21,9 @@ import safetensors.numpy as stn
 import foxhunt_stream as fs
 from foxhunt_stream.cuda.devices import Device
 from foxhunt_stream.engine import loader
-from foxhunt_stream.format.tp import split_bounds
-from foxhunt_stream.io import mapping, pagecache, source
+from foxhunt_stream.format.tp import indices_for, split_bounds
+from foxhunt_stream.io import mapping, pagecache, read_policy, source
+from foxhunt_stream.io.read_policy import ReadPolicy
 from foxhunt_stream.io.checkpoint import open_checkpoint, read_header
 from foxhunt_stream.io.source import FileSource, total_bytes_read
 from page_cache_support import evict
@@ -173,7 +174,8 @@ def test_a_slice_wider_than_a_chunk_and_rows_wider_than_a_chunk(in_cache, tmp_pa
                 np.testing.assert_array_equal(f.get_slice("x")[index], x[index])
     ck = open_checkpoint(path)
     sels = loader.selections(ck, ["x"], {"x": np.s_[:, 7:19]})
-    plan, _, _ = loader.plan_selections(ck, sels, fs.settings.merge(chunk_bytes=4096), gathered=frozenset({0}))
+    plan = loader.prepare(ck, sels, fs.settings.merge(chunk_bytes=4096),
+                          policies=[ReadPolicy(ck.headers[0].file_size, gather=True)]).plan
     assert all(c.run.nbytes <= 4096 for c in plan.chunks) and len(plan.chunks) == -(-300 // (4096 // 48))
 
 
@@ -204,7 +206,7 @@ def test_a_cold_file_keeps_positional_reads_of_whole_spans(column_ckpt, read_log
 def test_an_evicted_file_is_read_as_before(column_ckpt, read_log, gathers):
     path, x = column_ckpt
     evict(path)
-    if pagecache.resident_fraction(path) >= loader.GATHER_RESIDENT:
+    if pagecache.resident_fraction(path) >= read_policy.GATHER_RESIDENT:
         pytest.skip("this filesystem keeps the file in memory (tmpfs)")
     got, reads = _reads_of(path, read_log, direct_io="off")     # cold: whole spans, filling the cache
     assert gathers[True] == 0
@@ -230,12 +232,12 @@ def test_only_files_holding_a_column_slice_are_mapped(in_cache, tmp_path, monkey
     a = save(tmp_path / "a.safetensors", {"a": x})
     b = save(tmp_path / "b.safetensors", {"b": x + 1})
     opened = []
-    real = loader.open_source
+    real = read_policy.open_source
 
-    def recording(path, backend="pread", expected_size=None):
-        opened.append((os.path.basename(path), backend))
-        return real(path, backend, expected_size)
-    monkeypatch.setattr(loader, "open_source", recording)
+    def recording(path, backend="pread", expected_size=None, gather=False):
+        opened.append((os.path.basename(path), "auto" if gather else backend))
+        return real(path, backend, expected_size, gather=gather)
+    monkeypatch.setattr(read_policy, "open_source", recording)
     for shard in (None, fs.TPSlice(1, 4, 0)):
         opened.clear()
         fs.load_file([a, b], shard=shard)
@@ -251,9 +253,12 @@ def test_only_files_holding_a_column_slice_are_mapped(in_cache, tmp_path, monkey
 @pytest.mark.parametrize("options", [dict(backend="pread"), dict(direct_io="on"), dict(backend="direct")])
 def test_only_auto_and_mmap_gather(in_cache, column_ckpt, options):
     path, _ = column_ckpt
-    s = fs.settings.merge(**options)
-    assert loader.gathering_files(open_checkpoint(path), s) == frozenset()
-    assert loader.gathering_files(open_checkpoint(path), fs.settings.merge()) == frozenset({0})
+    ck = open_checkpoint(path)
+
+    def gathers(s):
+        return [p.gather for p in read_policy.read_policies(ck.paths, [1], {0}, [ck.headers[0].file_size], s)]
+    assert gathers(fs.settings.merge(**options)) == [False]
+    assert gathers(fs.settings.merge()) == [True]
 
 
 def mapped(path: str) -> bool:
@@ -322,10 +327,9 @@ GPU0 = Device("cuda", 0)
 def planned(path: str, shard, device: Device, **options):
     """The chunks the loader plans for a load of ``path`` to ``device`` (no GPU is touched)."""
     ck = open_checkpoint(path)
-    plan, _, _, sources = loader.plan_and_open(ck, list(ck.names), shard, fs.settings.merge(**options), False,
-                                               device, whole=True)
-    loader.close_all(sources)
-    return plan.chunks
+    names = list(ck.names)
+    sels = loader.selections(ck, names, indices_for(ck, names, shard))
+    return loader.prepare(ck, sels, fs.settings.merge(**options), device, order="whole").plan.chunks
 
 
 SIZES = dict(chunk_bytes="64KiB", staging_bytes="256KiB", read_bytes="16KiB", threads=2)
@@ -356,14 +360,6 @@ def test_a_cold_file_is_read_in_whole_slots(tmp_path, monkeypatch, resident, pie
     x = np.random.default_rng(6).standard_normal((128, 512)).astype(np.float32)   # 256 KiB
     path = save(tmp_path / "t.safetensors", {"x": x})
     assert [c.run.span for c in planned(path, None, GPU0, **SIZES)] == [piece] * ((256 << 10) // piece)
-    from foxhunt_stream.engine import safe_open as handle
-    colds = []
-    real = handle.plan_selections
-
-    def spy(*a, **k):
-        colds.append(a[6] if len(a) > 6 else k.get("cold"))
-        return real(*a, **k)
-    monkeypatch.setattr(handle, "plan_selections", spy)
     with fs.safe_open(path, **SIZES) as f:
         np.testing.assert_array_equal(f.get_tensor("x"), x)
-    assert colds == [frozenset({0}) if resident < loader.COLD_RESIDENT else frozenset()]
+        assert [p.from_disk for p in f._policies] == [resident < read_policy.COLD_RESIDENT]

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import foxhunt_stream as fs
 from foxhunt_stream.io import source
 from foxhunt_stream.cuda.devices import CPU, Device
-from foxhunt_stream.engine.placement import device_for, interleave_by_device, parse_device_map, resolve_device_map
+from foxhunt_stream.engine.placement import device_for, parse_device_map, resolve_device_map
+from foxhunt_stream.format.plan import interleave_by_device
 from gpu_util import write_random_file
 from plan_support import plan_of_sizes
 

@@ -341,33 +341,6 @@ def test_pipeline_error_cancels_the_other_workers(clean_process):
     assert len(done) < 100
 
 
-def test_a_draining_worker_claims_each_item_once_and_an_error_stops_the_others(clean_process):
-    seen: list[int] = []
-    lock = threading.Lock()
-
-    def drain(worker, claims):
-        for item in claims:
-            with lock:
-                seen.append(item)
-    job = Job(list(range(1000)), None, threads=4, drain=drain).start()
-    job.wait(timeout=60)
-    assert sorted(seen) == list(range(1000))   # every item once, whichever worker took it
-
-    seen.clear()
-
-    def failing(worker, claims):
-        for item in claims:
-            if item == 3:
-                raise RuntimeError("item 3 failed")
-            with lock:
-                seen.append(item)
-            time.sleep(0.001)
-    job = Job(list(range(1000)), None, threads=4, drain=failing).start()
-    with pytest.raises(RuntimeError, match="item 3"):
-        job.wait(timeout=60)
-    assert len(seen) < 100   # the others stopped claiming
-
-
 @pytest.fixture
 def thousand_chunks(tmp_path):
     p = tmp_path / "big.safetensors"

@@ -11,11 +11,11 @@ import pytest
 from foxhunt_stream.engine.staging import StagingPool
 
 
-def _counting():
+def _counting(nbytes: int = 4096):
     made: list[int] = []
 
-    def allocate(nbytes: int):
-        made.append(nbytes)
+    def allocate(k: int):
+        made.append(k)
         return np.zeros(nbytes, np.uint8), None
     return made, allocate
 
@@ -48,7 +48,7 @@ def test_a_waiting_taker_gets_the_slot_released_by_another_thread():
 
 
 def test_fill_allocates_the_rest_now():
-    made, allocate = _counting()
+    made, allocate = _counting(8192)
     pool = StagingPool(8192, 4, allocate)
     pool.acquire()
     pool.fill()

@@ -21,6 +21,7 @@ class StandIn:
         self.fail: dict[str, int] = {}
         self.devices, self.current = devices, 0
         self.host: dict[int, ctypes.Array] = {}
+        self.registered: dict[int, int] = {}   # host memory registered (cudaHostRegister): address -> bytes
         self.last_error_calls = 0
         self._handles = 0x1000
         self._strings = {s: ctypes.create_string_buffer(n.encode()) for s, n in ERRORS.items()}
@@ -104,6 +105,15 @@ class StandIn:
         @c(c_int, c_void_p)
         def cudaFreeHost(ptr):
             return 0 if self.host.pop(ptr, None) is not None else 1
+
+        @c(c_int, c_void_p, c_size_t, c_uint)
+        def cudaHostRegister(ptr, nbytes, flags):
+            self.registered[ptr] = nbytes
+            return 0
+
+        @c(c_int, c_void_p)
+        def cudaHostUnregister(ptr):
+            return 0 if self.registered.pop(ptr, None) is not None else 1
 
         @c(c_int, c_void_p, c_void_p, c_size_t, c_int, c_void_p)
         def cudaMemcpyAsync(dst, src, nbytes, kind, stream):

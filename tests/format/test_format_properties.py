@@ -28,6 +28,10 @@ from foxhunt_stream.format.dtypes import DTYPES
 from foxhunt_stream.format.header import N_LEN, TensorInfo, parse_header
 from foxhunt_stream.format.indexing import Run, general_slice_runs, slice_runs
 from foxhunt_stream.format.plan import Selection, plan_load, plan_save, split_run
+from foxhunt_stream.io.read_policy import ReadPolicy
+
+GATHERS = [ReadPolicy(0, gather=True)]   # one file, whose strided runs its source gathers
+
 
 def bounded(n: int) -> settings:
     return settings(max_examples=n, deadline=None,
@@ -330,15 +334,16 @@ def test_reads_are_cut_by_read_bytes_and_gathers_by_the_slot():
     rows = plan_load([Selection(0, 0, info, (slice(0, 512),))], slot, read_bytes=read)
     assert [c.run.span for c in rows.chunks] == [read] * 3 + [(512 * 28672) - 3 * read]
     cols = (slice(None), slice(0, 1792))
-    gathered = plan_load([Selection(0, 0, info, cols)], slot, gathered={0}, read_bytes=read)
+    gathered = plan_load([Selection(0, 0, info, cols)], slot, files=GATHERS, read_bytes=read)
     assert [c.run.height for c in gathered.chunks] == [2340, 1756]   # as with no read_bytes at all
-    assert gathered.chunks == plan_load([Selection(0, 0, info, cols)], slot, gathered={0}).chunks
+    assert gathered.chunks == plan_load([Selection(0, 0, info, cols)], slot, files=GATHERS).chunks
     spans = plan_load([Selection(0, 0, info, cols)], slot, read_bytes=read)
     assert max(c.run.span for c in spans.chunks) <= read and len(spans.chunks) == 28
     # a cold file (mostly not in the page cache) is read in whole slots: the disk wants big requests
-    assert plan_load([Selection(1, 0, info)], slot, read_bytes=read, cold={1}).chunks == plan_load(
+    cold = [ReadPolicy(0), ReadPolicy(0, from_disk=True)]
+    assert plan_load([Selection(1, 0, info)], slot, read_bytes=read, files=cold).chunks == plan_load(
         [Selection(1, 0, info)], slot).chunks
-    assert plan_load([Selection(0, 0, info)], slot, read_bytes=read, cold={1}).chunks == whole.chunks
+    assert plan_load([Selection(0, 0, info)], slot, read_bytes=read, files=cold).chunks == whole.chunks
     # never above a slot, never below the granule (checksum blocks keep whole blocks per chunk)
     assert plan_load([Selection(0, 0, info)], slot, read_bytes=4 * slot).chunks == plan_load(
         [Selection(0, 0, info)], slot).chunks
@@ -370,14 +375,14 @@ def test_plan_load_chunks_reassemble_the_slice(shape, data):
     got, hits = _copy([c.run for c in plan.chunks], src, size)
     want, _ = _copy(direct, src, size)
     assert got == want and (hits == 1).all()
-    gathered = plan_load([Selection(0, N_LEN + 24, info, idx)], chunk, gathered={0})   # rows packed by the source
+    gathered = plan_load([Selection(0, N_LEN + 24, info, idx)], chunk, files=GATHERS)   # rows packed by the source
     assert gathered.destinations == plan.destinations
     assert all(c.run.nbytes <= chunk and (c.run.height > 1 or c.run.span <= chunk) for c in gathered.chunks)
     assert len(gathered.chunks) <= len(plan.chunks)
     got, hits = _copy([c.run for c in gathered.chunks], src, size)
     assert got == want and (hits == 1).all()
     read = data.draw(st.integers(2, chunk))   # contiguous runs cut smaller than a slot, gathers not
-    cut = plan_load([Selection(0, N_LEN + 24, info, idx)], chunk, gathered={0}, read_bytes=read)
+    cut = plan_load([Selection(0, N_LEN + 24, info, idx)], chunk, files=GATHERS, read_bytes=read)
     if all(r.height == 1 for r in direct):
         assert all(c.run.span <= read for c in cut.chunks)
     else:   # a gathered run's pieces (one row each, at times) carry up to a slot

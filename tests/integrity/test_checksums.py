@@ -511,12 +511,12 @@ def test_verify_on_auto_hashes_on_the_gpu_only_what_lands_there(saved, monkeypat
     xxh = integrity.read_checksums(ck.headers[0], ck.paths[0]).algorithm == "xxh3-64"
     for devices, want in ((CPU, [False] * len(names)), (gpu, [xxh] * len(names)),
                           ([gpu if i % 2 else CPU for i in range(len(names))], [xxh and i % 2 == 1 for i in range(len(names))])):
-        _, _, verifier = loader.plan_selections(ck, sels, s, True, devices)
+        verifier = loader.prepare(ck, sels, s, devices, verify=True).verifier
         assert [verifier.hashes_landed(d) for d in range(len(names))] == want, devices
-    _, _, verifier = loader.plan_selections(ck, sels, fs.settings.merge(verify_on="read", **SMALL), True, gpu)
+    verifier = loader.prepare(ck, sels, fs.settings.merge(verify_on="read", **SMALL), gpu, verify=True).verifier
     assert not any(verifier.hashes_landed(d) for d in range(len(names)))
     monkeypatch.setattr(runtime, "has_cupy", lambda: False)   # torch's CUDA runtime alone: no GPU kernel
-    _, _, verifier = loader.plan_selections(ck, sels, s, True, gpu)
+    verifier = loader.prepare(ck, sels, s, gpu, verify=True).verifier
     assert not any(verifier.hashes_landed(d) for d in range(len(names)))
 
 

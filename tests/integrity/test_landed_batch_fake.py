@@ -77,17 +77,17 @@ SCRIPT = textwrap.dedent("""
         names = ck.file_order()
         s = settings.merge(chunk_bytes=4096, staging_bytes=4 * 8192, threads=3)
         assert s.verify_on == "auto"
-        plan_, s2, verifier = loader.plan_selections(ck, loader.selections(ck, names), s, True, gpu)
+        plan_, s2, policies, verifier = loader.prepare(ck, loader.selections(ck, names), s, gpu, verify=True)
         assert all(verifier.hashes_landed(d) for d in range(len(names)))
         arrays = [np.zeros(tensors[n].shape, np.float32) for n in names]
         bufs = [Buffer(gpu, a.nbytes, None, a.ctypes.data) for a in arrays]
-        sources = loader.open_sources(ck, s2)
+        sources = loader.open_sources(ck, policies)
         landing = inflight.LoadInFlight(plan_, sources, destinations.Destinations.fixed(bufs, arrays), s2, check=verifier,
-                                 per_dest=per_dest)
+                                 per_dest=per_dest, on_end=lambda: loader.close_all(sources))
         real_release = landing.dests.release
         landing.dests.release = lambda: (log.append(("release",)), real_release())
         if per_dest:
-            return names, handle.LoadHandle(landing, names, lambda: loader.close_all(sources))
+            return names, handle.LoadHandle(landing, names)
         try:
             landing.finish()
         finally:

@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import foxhunt_stream as fs
-from foxhunt_stream.engine import loader
+
 from foxhunt_stream.format.plan import Chunk, LoadPlan, Run, take_in_turn
-from foxhunt_stream.io import pagecache
+from foxhunt_stream.io import pagecache, read_policy
 from foxhunt_stream.io.source import FileSource, stream_of
 from page_cache_support import evict
 
@@ -183,7 +183,7 @@ def test_the_descriptors_a_load_reads_through(cold_checkpoint, monkeypatch, case
     if case == "hot":
         fs.load_file(path)
     if case == "capped":
-        monkeypatch.setattr(loader, "STREAM_FDS", 2)
+        monkeypatch.setattr(read_policy, "STREAM_FDS", 2)
     seen = _read_spy(monkeypatch, fs.read_header(path).data_start)
     out = fs.load_file(path, threads=4, chunk_bytes=1 << 20, background=case == "background")
     out = out.result() if case == "background" else out

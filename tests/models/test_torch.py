@@ -522,7 +522,7 @@ def test_background_cancel(tmp_path, monkeypatch):
     h.cancel()
     assert h.done() and log == [True] and not _foxhunt_threads()
     assert all(off < range_of(path, "t2")[0] for off in reads)
-    with pytest.raises(pipeline.Cancelled):
+    with pytest.raises(fs.CancelledError):
         h.result()
 
 

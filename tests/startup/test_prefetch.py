@@ -18,8 +18,8 @@ from hypothesis import given, settings as hsettings, strategies as st
 
 import foxhunt_stream as fs
 from foxhunt_stream.engine import pipeline
-from foxhunt_stream.engine.loader import open_sources
-from foxhunt_stream.io import cache_policy, pagecache, source
+
+from foxhunt_stream.io import pagecache, read_policy, source
 from foxhunt_stream.io.checkpoint import open_checkpoint
 from foxhunt_stream.settings import merge
 from foxhunt_stream.startup import prefetch as prefetch_mod
@@ -128,7 +128,7 @@ def test_prefetch_cancel(checkpoint, monkeypatch, foxhunt_threads):
     assert arrived.wait(20)
     h.cancel()
     assert h.done() and log == [True] and not foxhunt_threads() and h.bytes_done < h.nbytes
-    with pytest.raises(pipeline.Cancelled):
+    with pytest.raises(fs.CancelledError):
         h.wait()
 
 
@@ -149,15 +149,16 @@ def test_the_loader_reads_through_the_cache_while_a_prefetch_fills_it(checkpoint
     """A cold file that would not stay in the page cache is loaded with O_DIRECT, except while a
     prefetch of it runs: then both read through the page cache instead of racing for the disk."""
     monkeypatch.setattr(pagecache, "resident_fraction", lambda p: 0.0)   # "cold"
-    monkeypatch.setattr(cache_policy, "available_memory", lambda: 0)      # ... and too big to keep
+    monkeypatch.setattr(read_policy, "available_memory", lambda: 0)      # ... and too big to keep
     monkeypatch.setattr(prefetch_mod, "_beyond_the_cache", lambda paths, spans, s: [])   # prefetched anyway
     s = merge(direct_io="auto")
 
     def backend() -> str:
-        srcs = open_sources(open_checkpoint(checkpoint), s)
-        for src in srcs:
-            src.close()
-        return srcs[0].backend
+        ck = open_checkpoint(checkpoint)
+        (policy,) = read_policy.read_policies(ck.paths, [ck.headers[0].file_size], (), [ck.headers[0].file_size], s)
+        src = policy.open(ck.paths[0])
+        src.close()
+        return src.backend
     if backend() != "direct":
         pytest.skip("no O_DIRECT on this filesystem")
     gate, log = threading.Event(), []

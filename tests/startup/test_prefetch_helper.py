@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import foxhunt_stream as fs
-from foxhunt_stream.engine.pipeline import Cancelled
+from foxhunt_stream.errors import CancelledError as Cancelled
 from foxhunt_stream.errors import FormatError
 from foxhunt_stream.io import source
 from foxhunt_stream.io.pagecache import resident_fraction

@@ -14,7 +14,7 @@ import pytest
 
 import foxhunt_stream as fs
 from foxhunt_stream import errors
-from foxhunt_stream.engine.pipeline import Cancelled
+from foxhunt_stream.errors import CancelledError as Cancelled
 from foxhunt_stream.io import pagecache, source
 from foxhunt_stream.startup import readers
 from foxhunt_stream.startup.readers import Pacer, Piece, PieceReaders, read_range, scratch_buffer

@@ -86,6 +86,16 @@ class _Runtime:
     def freeHost(ptr):
         _Runtime._host.pop(ptr)
 
+    registered: dict = {}   # host memory registered (hostRegister): address -> bytes
+
+    @staticmethod
+    def hostRegister(ptr, n, flags):
+        _Runtime.registered[ptr] = n
+
+    @staticmethod
+    def hostUnregister(ptr):
+        _Runtime.registered.pop(ptr)
+
     @staticmethod
     def getDeviceCount():
         return 1

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import foxhunt_stream as fs
-from foxhunt_stream.io import cache_policy, pagecache
+from foxhunt_stream.io import pagecache, read_policy
 from page_cache_support import evict
 
 EVERY_PAGE = 1 << 62
@@ -49,7 +49,7 @@ def test_a_default_load_leaves_an_evicted_checkpoint_in_the_page_cache(evicted):
 
 
 def test_a_checkpoint_that_would_not_fit_is_read_around_the_page_cache(evicted, monkeypatch):
-    monkeypatch.setattr(cache_policy, "available_memory", lambda: 8 << 20)   # half of it: 4 MiB < one file
+    monkeypatch.setattr(read_policy, "available_memory", lambda: 8 << 20)   # half of it: 4 MiB < one file
     src, paths, tensors = evicted
     out = fs.load_file(src)
     assert all(np.array_equal(out[k], v) for k, v in tensors.items())
@@ -57,7 +57,7 @@ def test_a_checkpoint_that_would_not_fit_is_read_around_the_page_cache(evicted, 
 
 
 def test_only_the_files_beyond_the_budget_are_read_around_the_cache(evicted, monkeypatch):
-    monkeypatch.setattr(cache_policy, "available_memory", lambda: 20 << 20)  # half: 10 MiB, one file
+    monkeypatch.setattr(read_policy, "available_memory", lambda: 20 << 20)  # half: 10 MiB, one file
     src, paths, _ = evicted
     fs.load_file(src)
     first, second = _resident(paths)
@@ -73,7 +73,7 @@ def test_direct_io_on_always_reads_around_the_cache(evicted):
 def test_a_subset_counts_only_the_bytes_it_reads(evicted, monkeypatch):
     """A quarter of each file: whole, the two files (2 x 8 MiB) would not fit a 10 MiB budget, the
     two quarters (2 x 2 MiB) do, and both stay in the cache."""
-    monkeypatch.setattr(cache_policy, "available_memory", lambda: 20 << 20)
+    monkeypatch.setattr(read_policy, "available_memory", lambda: 20 << 20)
     src, paths, _ = evicted
     out = fs.load_file(src, shard=fs.Shard(0, 4, 0))
     assert {k: v.size for k, v in out.items()} == {"w0": 2 << 20, "w1": 2 << 20}
@@ -82,13 +82,13 @@ def test_a_subset_counts_only_the_bytes_it_reads(evicted, monkeypatch):
 
 def test_prefetch_follows_the_same_rule(evicted, monkeypatch):
     src, paths, _ = evicted
-    monkeypatch.setattr(cache_policy, "available_memory", lambda: 20 << 20)
+    monkeypatch.setattr(read_policy, "available_memory", lambda: 20 << 20)
     h = fs.prefetch(src, helper_process=False)
     h.wait()
     assert h.skipped == [paths[1]]
     first, second = _resident(paths)
     assert first > 0.99 and second < 0.05
-    monkeypatch.setattr(cache_policy, "available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(read_policy, "available_memory", lambda: 1 << 40)
     h = fs.prefetch(src, helper_process=False)
     h.wait()
     assert h.skipped == [] and min(_resident(paths)) > 0.99
@@ -105,13 +105,13 @@ def test_prefetch_follows_the_same_rule(evicted, monkeypatch):
     ([], [], 20, []),
 ])
 def test_keep_in_cache(needs, resident, available, want):
-    assert cache_policy.keep_in_cache(needs, resident, available) == want
+    assert read_policy.keep_in_cache(needs, resident, available) == want
 
 
 def test_half_of_the_memory_available_is_the_budget():
-    assert cache_policy.KEEP_FRACTION == 0.5
-    assert cache_policy.keep_in_cache([50], [0], 100) == [True]
-    assert cache_policy.keep_in_cache([51], [0], 100) == [False]
+    assert read_policy.KEEP_FRACTION == 0.5
+    assert read_policy.keep_in_cache([50], [0], 100) == [True]
+    assert read_policy.keep_in_cache([51], [0], 100) == [False]
 
 
 @pytest.mark.parametrize("limit, usage, stat, want", [
@@ -122,11 +122,11 @@ def test_half_of_the_memory_available_is_the_budget():
     ("4096\n", "1024\n", "cache 512\nrss 512\n", 3584),                           # v1
 ])
 def test_cgroup_headroom(limit, usage, stat, want):
-    assert cache_policy.cgroup_headroom(limit, usage, stat) == want
+    assert read_policy.cgroup_headroom(limit, usage, stat) == want
 
 
 def test_available_memory_is_memavailable_here_at_most():
-    avail = cache_policy.available_memory()
+    avail = read_policy.available_memory()
     with open("/proc/meminfo") as f:
         meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
     assert avail is not None and 0 < avail <= meminfo["MemAvailable"] * 1.05

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 from typing import Mapping, Sequence
 
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
 
 def split_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
     """``(name, nbytes)`` pairs grouped into shards of at most ``max_shard_size`` bytes.
@@ -41,7 +44,7 @@ def shard_names(groups: int) -> list[str]:
     """The file names of ``groups`` shards: ``model.safetensors`` alone, else
     ``model-0000i-of-0000n.safetensors``."""
     if groups == 1:
-        return ["model.safetensors"]
+        return [SINGLE_NAME]
     return [f"model-{i + 1:05d}-of-{groups:05d}.safetensors" for i in range(groups)]
 
 

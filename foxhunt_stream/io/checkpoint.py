@@ -2,6 +2,12 @@
 
 Reading a header is the only I/O here: the 8-byte prefix, then exactly the announced number
 of bytes (capped by the format's limit and the file size), then the pure parser.
+
+A directory is read by one rule (``resolve``; ``models.hf_source`` uses it too), transformers'
+order: ``model.safetensors`` if it is a file there, else ``model.safetensors.index.json``, else
+every ``*.safetensors`` entry in name order. Whatever a directory's rule takes must lie in the
+directory (or, for a Hugging Face hub snapshot, in its repository's ``blobs/``), as an index's
+files must; a listed entry must be a regular file, and is never opened otherwise.
 """
 
 from __future__ import annotations
@@ -9,14 +15,14 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple
 
 from ..errors import FormatError
 from ..format.header import MAX_HEADER_SIZE, N_LEN, Header, TensorInfo, parse_header, read_header_len
+from ..format.shards import INDEX_NAME, SINGLE_NAME
 from .source import file_identity
-
-INDEX_NAME = "model.safetensors.index.json"
 
 
 def read_header(path: str | os.PathLike) -> Header:
@@ -101,7 +107,8 @@ class Resolved(NamedTuple):
 
 
 def resolve(source) -> Resolved:
-    """The files of any accepted source; with an index, its weight_map and metadata too."""
+    """The files of any accepted source; with an index, its weight_map and metadata too; a
+    directory by the one rule (module docstring)."""
     if isinstance(source, (list, tuple)):
         if not source:
             raise ValueError("empty list of checkpoint files")
@@ -113,18 +120,67 @@ def resolve(source) -> Resolved:
         return Resolved(paths, None, None)
     path = os.fspath(source)
     if os.path.isdir(path):
-        index = os.path.join(path, INDEX_NAME)
-        if os.path.isfile(index):
-            return _from_index(index)
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no *.safetensors files and no {INDEX_NAME}")
-        return Resolved(files, None, None)
+        return _in_directory(path)
     if path.endswith(".json"):
         return _from_index(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"No such file or directory: {path}")   # safetensors' words
     return Resolved([path], None, None)
+
+
+def directory_weights(directory: str | os.PathLike) -> str | None:
+    """What the directory rule loads from ``directory`` when it is one file: ``model.safetensors``
+    if it is a file there, else the index if it is; None when neither is (the rule then takes
+    every ``*.safetensors`` entry). A file that resolves outside the directory (and its hub
+    ``blobs/``) is a FormatError ``path-escape``."""
+    directory = os.fspath(directory)
+    for name in (SINGLE_NAME, INDEX_NAME):
+        full = os.path.join(directory, name)
+        if os.path.isfile(full):
+            _confine(full, _allowed_roots(os.path.abspath(directory)))
+            return full
+    return None
+
+
+def _in_directory(path: str) -> Resolved:
+    chosen = directory_weights(path)
+    if chosen is not None and chosen.endswith(".json"):
+        return _from_index(chosen)
+    if chosen is not None:
+        return Resolved([chosen], None, None)
+    roots = _allowed_roots(os.path.abspath(path))
+    files = []
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        full = os.path.join(path, name)
+        _confine(full, roots)
+        try:
+            st = os.stat(full)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"No such file or directory: {full}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError("not-a-regular-file", f"{name} in the checkpoint directory is not a regular file "
+                              f"({_kind(st.st_mode)}); a directory load reads only regular *.safetensors files",
+                              path=full)
+        files.append(full)
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files and no {INDEX_NAME}")
+    return Resolved(files, None, None)
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "another kind of file"
+
+
+def _confine(full: str, roots: list[str]) -> None:
+    """``full`` must really lie under one of ``roots`` (``_allowed_roots``), symlinks resolved."""
+    real = os.path.realpath(full)
+    if not any(os.path.commonpath([real, r]) == r for r in roots):
+        raise FormatError("path-escape", f"{os.path.basename(full)} resolves outside the checkpoint directory "
+                          f"(to {real})", path=full)
 
 
 def _allowed_roots(base: str) -> list[str]:

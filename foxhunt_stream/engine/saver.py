@@ -14,6 +14,7 @@ place, the index last (``sink.commit_all``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -316,9 +317,16 @@ def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | No
     8 MiB), for ``load_file(verify=True)`` and ``foxhunt_stream.verify``. A "foxhunt.checksums"
     entry in ``metadata`` itself is dropped: it described some other file's bytes.
     ``progress``: a bar on stderr (None: only on a terminal and past about a second).
+    A ``path`` that is a directory without ``max_shard_size`` (IsADirectoryError), or one whose
+    name ends in ``.safetensors`` with it (ValueError), is refused before anything is written.
     """
     check_names(tensors)
     s, metadata, spec = _save_options(metadata, checksum, checksum_block, options)
+    if max_shard_size is None and os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "is a directory; save_file writes one file there (with "
+                                "max_shard_size it writes a directory of shards)", os.fspath(path))
+    if max_shard_size is not None:
+        check_shard_directory(path, "save_file with max_shard_size")
     sources = [_describe(name, x) for name, x in tensors.items()]
     _wait_producers(sources)
     bar = progress_bar(sum(src.nbytes for src in sources), "save", progress)
@@ -340,6 +348,18 @@ def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | No
             raise
     finally:
         bar.close()
+
+
+def check_shard_directory(path, writer: str) -> None:
+    """A ValueError naming ``path`` when its name ends in ``.safetensors``: that is a file's name,
+    and ``writer`` (the call, for the message) writes a directory of shards, which a load of the
+    directory above would then meet where it expects a file. A file already there is left to
+    the writer's own check, which says so."""
+    name = os.path.basename(os.path.normpath(os.fspath(path)))
+    if name.endswith(".safetensors") and (os.path.isdir(path) or not os.path.lexists(path)):
+        raise ValueError(f"{os.fspath(path)}: a name ending in .safetensors is a file's, but {writer} writes a "
+                         f"directory of shards (model-0000i-of-0000n.safetensors and {INDEX_NAME}); name a "
+                         "directory")
 
 
 def _shard_directory(directory: str) -> bool:
@@ -367,6 +387,7 @@ def save_sharded(sizes: Sequence[tuple[str, int]], fetch: Callable[[list[str]], 
     s, metadata, spec = _save_options(metadata, checksum, checksum_block, options)
     limit = _shard_limit(max_shard_size)
     directory = os.fspath(directory)
+    check_shard_directory(directory, "save_sharded")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{directory}: not a directory")
 

@@ -329,6 +329,13 @@ def test_reshard_with_checksums(ckpt, tmp_path, tensors):
     assert f"{len(tensors)} of {len(tensors)} tensors match their crc32c digests" in r.stdout
 
 
+def test_reshard_refuses_an_output_named_like_a_file(sharded, tmp_path):
+    r = run("reshard", str(sharded), str(tmp_path / "out.safetensors"), "--max-shard-size", "4kB")
+    assert r.returncode == 1
+    assert "out.safetensors: a name ending in .safetensors" in r.stderr and "directory of shards" in r.stderr
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 def test_reshard_refuses_to_overwrite(sharded, ckpt, tmp_path):
     r = run("reshard", str(sharded), str(ckpt.parent), "--max-shard-size", "1GB")
     assert r.returncode == 1 and "already holds a checkpoint" in r.stderr

@@ -325,3 +325,43 @@ def test_reshard_failing_midway_leaves_no_output(tmp_path, monkeypatch):
     assert len(written) == 6 and written[-1].endswith("model.safetensors.index.json")
     got = fs.load_file(existing)
     assert all((got[k] == v).all() for k, v in _model(3).items())
+
+
+# ---------------------------------------------------------------- paths refused before anything is written
+
+def test_save_file_onto_a_directory_is_refused_before_writing(tmp_path, monkeypatch):
+    from foxhunt_stream.io import sink
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "keep.txt").write_text("x")
+    created = []
+    monkeypatch.setattr(sink, "fault_hook", lambda f, offset, n: created.append(f.path))
+    with pytest.raises(IsADirectoryError) as e:
+        fs.save_file(_model(1), d)
+    assert e.value.filename == os.fspath(d) and "max_shard_size" in str(e.value)
+    assert TEMP_MARK not in str(e.value)
+    assert created == [] and os.listdir(d) == ["keep.txt"] and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+@pytest.mark.parametrize("how", ["save_file", "save_sharded", "reshard", "existing directory"])
+def test_a_sharded_save_refuses_a_path_named_like_a_file(tmp_path, how):
+    from foxhunt_stream.engine.reshard import reshard, save_sharded
+    target = tmp_path / "x.safetensors"
+    with pytest.raises(ValueError, match="ending in .safetensors") as e:
+        if how == "save_file":
+            fs.save_file(_model(1), target, max_shard_size=8000)
+        elif how == "save_sharded":
+            target.mkdir()
+            save_sharded([("w0", 4000)], lambda names: {"w0": _model(1)["w0"]}, target, 8000)
+        elif how == "reshard":
+            src = tmp_path / "src.safetensors"
+            fs.save_file(_model(1), src)
+            reshard(src, target, 8000)
+        else:
+            target.mkdir()
+            fs.save_file(_model(1), str(target) + "/", max_shard_size=8000)
+    assert os.fspath(target) in str(e.value) and "directory of shards" in str(e.value)
+    if how in ("save_file", "reshard"):
+        assert not target.exists()
+    else:
+        assert os.listdir(target) == []

@@ -14,6 +14,7 @@ import errno
 import mmap
 import os
 import secrets
+import stat
 from typing import Callable, Sequence
 
 import numpy as np
@@ -96,6 +97,13 @@ class AtomicFile:
         self._mapped = False
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
         try:
+            _take_attributes(self.fd, self.path)
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, OSError):
+                raise OSError(e.errno, f"{self.path}: cannot prepare its temp file: {e.strerror}") from e
+            raise
+        try:
             want_map = backend == "mmap" or (backend == "auto" and size >= MAP_MIN_BYTES
                                              and writers >= MAP_MIN_WRITERS and _in_memory_fs(directory))
             self._mapped = bool(want_map and size and _fallocate(self.fd, size))
@@ -175,6 +183,39 @@ class AtomicFile:
             os.unlink(self.tmp)
         except FileNotFoundError:
             pass
+
+
+def _take_attributes(fd: int, path: str) -> None:
+    """Give the new file (``fd``) what the file it replaces at ``path`` has: its permission bits
+    (rwx of owner, group, others; not setuid, setgid or sticky), its owner and group where this
+    process may set them (root; or the group alone, for a member of it), and its extended
+    attributes, POSIX ACLs among them, each where the platform, the filesystem and this
+    process's rights allow (best effort: one that cannot be set is left out). Nothing when no
+    regular file is there: the new file then has the umask's mode, as any new file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        return
+    mine = os.fstat(fd)
+    if (mine.st_uid, mine.st_gid) != (st.st_uid, st.st_gid):
+        for uid in (st.st_uid, -1):
+            try:
+                os.fchown(fd, uid, st.st_gid)
+                break
+            except OSError:
+                continue
+    os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o777)
+    if not hasattr(os, "listxattr"):
+        return
+    try:
+        names = os.listxattr(path)
+    except OSError:
+        return
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.setxattr(fd, name, os.getxattr(path, name))
 
 
 def _umask() -> int:

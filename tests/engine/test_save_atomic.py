@@ -327,6 +327,64 @@ def test_reshard_failing_midway_leaves_no_output(tmp_path, monkeypatch):
     assert all((got[k] == v).all() for k, v in _model(3).items())
 
 
+# ---------------------------------------------------------------- what a replaced file keeps
+
+def test_a_save_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    path = tmp_path / "model.safetensors"
+    fs.save_file(_model(1), path)
+    os.chmod(path, 0o600)
+    fs.save_file(_model(2), path)
+    assert os.stat(path).st_mode & 0o7777 == 0o600
+    os.chmod(path, 0o4751)   # setuid is not carried over: a weights file is never run
+    fs.save_file(_model(3), path)
+    assert os.stat(path).st_mode & 0o7777 == 0o751
+    new = tmp_path / "new.safetensors"
+    fs.save_file(_model(1), new)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(new).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_each_shard_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    fs.save_file(_model(1), tmp_path, max_shard_size=8000, fsync=False)
+    modes = {"model-00001-of-00003.safetensors": 0o600, "model-00002-of-00003.safetensors": 0o640,
+             "model-00003-of-00003.safetensors": 0o604, "model.safetensors.index.json": 0o400}
+    for name, mode in modes.items():
+        os.chmod(tmp_path / name, mode)
+    fs.save_file(_model(2), tmp_path, max_shard_size=8000, fsync=False)
+    assert {n: os.stat(tmp_path / n).st_mode & 0o7777 for n in modes} == modes
+
+
+@pytest.mark.skipif(not hasattr(os, "setxattr"), reason="no extended attributes on this platform")
+def test_a_save_keeps_the_owner_and_extended_attributes(tmp_path):
+    path = tmp_path / "model.safetensors"
+    fs.save_file(_model(1), path)
+    try:
+        os.setxattr(path, "user.origin", b"hub")
+    except OSError as e:
+        pytest.skip(f"no user xattrs here: {e}")
+    acl = None
+    try:   # a POSIX ACL giving uid 4321 read access (the kernel's xattr form: version 2, then entries)
+        import struct
+        entries = [(0x01, 6, 0xFFFFFFFF), (0x02, 4, 4321), (0x04, 4, 0xFFFFFFFF), (0x10, 4, 0xFFFFFFFF),
+                   (0x20, 0, 0xFFFFFFFF)]
+        acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+        os.setxattr(path, "system.posix_acl_access", acl)
+    except OSError:
+        acl = None
+    owner = None
+    if os.geteuid() == 0:
+        owner = (4321, 8765)
+        os.chown(path, *owner)
+    fs.save_file(_model(2), path)
+    assert os.getxattr(path, "user.origin") == b"hub"
+    if acl is not None:
+        assert os.getxattr(path, "system.posix_acl_access") == acl
+    if owner is not None:
+        st = os.stat(path)
+        assert (st.st_uid, st.st_gid) == owner
+
+
 # ---------------------------------------------------------------- paths refused before anything is written
 
 def test_save_file_onto_a_directory_is_refused_before_writing(tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ at a few chunks. The file appears atomically (see ``sink``).
 A sharded save (``save_file(max_shard_size=)``, and ``save_sharded``, which produces each
 shard's tensors only when that shard is written) goes through one shard writer: the grouping,
 names and index of ``format.shards``, every file written to a temp file, then all renamed into
-place, the index last (``sink.commit_all``).
+place, the index last, and the files of an earlier save that a load of the directory would take
+and this save did not overwrite removed (``sink.commit_all``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
@@ -28,13 +30,12 @@ from ..cuda.devices import Device
 from ..errors import MetaTensorError, NotATensorError, SparseTensorError
 from ..format.dtypes import DType, from_numpy, from_torch
 from ..format.dtypes import nbytes as _dtype_nbytes
-from ..format.header import layout, serialize_header
+from ..format.header import MAX_HEADER_SIZE, layout, serialize_header
 from ..integrity.checksums import SaveDigests, strip
 from .pipeline import Job
 from ..format.plan import plan_save
 from .progress import NO_PROGRESS, Progress, progress_bar
-from ..format.shards import index_json, shard_names, split_shards
-from ..io.checkpoint import INDEX_NAME
+from ..format.shards import INDEX_NAME, index_file_names, index_json, is_shard_name, shard_names, split_shards
 from ..io.memory import MemorySink
 from ..io.sink import AtomicFile, commit_all, write_small
 from .targets import CudaTarget
@@ -255,7 +256,8 @@ def _write_shards(sizes: Sequence[tuple[str, int]], produce: Callable[[list[str]
     """The shard writer: ``sizes`` grouped into shards of at most ``limit`` bytes, each group's
     sources made by ``produce(names)`` only when its shard is written (so a streaming caller holds
     one shard in memory), every shard and the index written to temp files, then all renamed into
-    place, the index last (``sink.commit_all``). On any failure no new file is left and the old
+    place, the index last, and the files of an earlier save this one replaces removed
+    (``_earlier_files``; ``sink.commit_all``). On any failure no new file is left and the old
     ones are as they were. Returns the paths, the index (when there are several shards) last."""
     groups = split_shards(sizes, limit)
     files = shard_names(len(groups))
@@ -267,18 +269,63 @@ def _write_shards(sizes: Sequence[tuple[str, int]], produce: Callable[[list[str]
             f = _write_one(sources, os.path.join(directory, fname), metadata, s, fsync, spec, bar)
             pending.append(f)
             del sources          # before the next group is produced: one shard's tensors at a time
-            f.seal()             # durable and closed: one file open at a time
+            f.seal()             # durable; kept open (and locked) until the commit
             weight_map.update((n, fname) for n in names)
         if len(groups) > 1:
             pending.append(write_small(os.path.join(directory, INDEX_NAME),
                                        index_json(weight_map, sum(size for _, size in sizes)), fsync, commit=False))
-        commit_all(pending)
+        commit_all(pending, replaces=lambda: _earlier_files(directory))
     except BaseException:
         for f in pending:
             f.abort()
         raise
     return [os.path.join(directory, fname) for fname in files] + ([os.path.join(directory, INDEX_NAME)]
                                                                    if len(groups) > 1 else [])
+
+
+def _earlier_files(directory: str) -> list[str]:
+    """The files in ``directory`` that a load of it could take as (part of) its checkpoint: the
+    index, the ``*.safetensors`` files it names, and every name a sharded save gives
+    (``model.safetensors``, ``model-NNNNN-of-NNNNN.safetensors``), each a regular file or a
+    symlink. No other file: other ``*.safetensors`` files, configs and the like stay. A sharded
+    save removes those it does not overwrite (the commit leaves its own out)."""
+    names = {n for n in os.listdir(directory) if is_shard_name(n)}
+    raw = _read_regular(os.path.join(directory, INDEX_NAME), MAX_HEADER_SIZE)
+    if raw is not None:
+        names |= {INDEX_NAME} | index_file_names(raw)
+    out = []
+    for name in sorted(names):
+        full = os.path.join(directory, name)
+        try:
+            mode = os.lstat(full).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+            out.append(full)
+    return out
+
+
+def _read_regular(path: str, limit: int) -> bytes | None:
+    """Up to ``limit`` bytes of ``path`` if it is a regular file (a FIFO is never waited on), else
+    None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        out = bytearray()
+        while len(out) < limit:
+            chunk = os.read(fd, min(1 << 20, limit - len(out)))
+            if not chunk:
+                break
+            out += chunk
+        return bytes(out)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def check_names(tensors: Any) -> None:

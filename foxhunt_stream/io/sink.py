@@ -19,7 +19,7 @@ import os
 import secrets
 import stat
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -298,23 +298,34 @@ def _undo_publish(path: str, existed: bool, backup: str | None) -> None:
             os.unlink(backup)
 
 
-def commit_all(files: Sequence[AtomicFile]) -> None:
+def commit_all(files: Sequence[AtomicFile], replaces: Callable[[], Iterable[str]] | None = None) -> None:
     """Publish several files as one, in order (an index last).
 
     Every file is sealed first, so the failures that writing can still have (fsync's among them)
-    come before anything is renamed. Then each is renamed into place; if a rename fails, the
-    ones already done are undone (a new name removed, a replaced file restored from a hard link
-    taken just before). On any failure every temp file is removed and the directory holds what
-    it held before; on success the links go and each directory is fsynced once.
+    come before anything is renamed. Then ``replaces()`` names the files of an earlier version
+    that the new set replaces without overwriting them; each file is renamed into place, and
+    then each of those is moved aside. If a rename fails, the ones already done are undone (a
+    new name removed, a replaced or moved file restored from a hard link or the name it was
+    moved to). On any failure every temp file is removed and the directory holds what it held
+    before; on success the links and the moved files go and each directory is fsynced once.
     """
     published: list[tuple[str, bool, str | None]] = []
     try:
         for f in files:
             f.seal()
+        ours = {f.path for f in files}
+        earlier = [p for p in (replaces() if replaces is not None else ()) if p not in ours]
         for f in files:
             existed, backup = _keep_old(f.path)
             published.append((f.path, existed, backup))
             os.replace(f.tmp, f.path)
+        for path in earlier:
+            aside = _temp_name(path)
+            try:
+                os.rename(path, aside)
+            except FileNotFoundError:
+                continue
+            published.append((path, True, aside))
     except BaseException:
         for path, existed, backup in reversed(published):
             _undo_publish(path, existed, backup)

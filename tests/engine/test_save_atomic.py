@@ -327,6 +327,91 @@ def test_reshard_failing_midway_leaves_no_output(tmp_path, monkeypatch):
     assert all((got[k] == v).all() for k, v in _model(3).items())
 
 
+# ---------------------------------------------------------------- a re-save replaces what a load would take
+
+def _big(value: int) -> dict[str, np.ndarray]:
+    return {f"w{i}": np.full(100_000, value * 100 + i, np.float32) for i in range(8)}   # 400 kB each, 3.2 MB
+
+
+def _holds(got, value) -> None:
+    assert sorted(got) == sorted(_big(value)) and all((np.asarray(got[k]) == v).all() for k, v in _big(value).items())
+
+
+def test_resaving_a_sharded_directory_as_one_file_removes_the_old_index_and_shards(tmp_path):
+    from foxhunt_stream.io.checkpoint import open_checkpoint
+    d = tmp_path / "ckpt"
+    fs.save_file(_big(1), d, max_shard_size="1MB", fsync=False)
+    assert len(os.listdir(d)) == 5   # 4 shards and the index
+    unrelated = {"config.json": b"{}", "adapter_model.safetensors": b"a",
+                 "model-extra.safetensors": b"b", "model-1-of-2.safetensors": b"c", "notes.txt": b"d"}
+    for name, data in unrelated.items():
+        (d / name).write_bytes(data)
+    fs.save_file(_big(2), d, max_shard_size="5GB", fsync=False)
+    assert sorted(os.listdir(d)) == sorted(["model.safetensors", *unrelated])
+    assert all((d / n).read_bytes() == data for n, data in unrelated.items())
+    _holds(fs.load_file(d), 2)
+    with fs.safe_open(d, framework="numpy") as f:
+        _holds({k: f.get_tensor(k) for k in f.keys()}, 2)
+    store = {k: np.zeros_like(v) for k, v in _big(2).items()}
+    fs.load_into(store, d)
+    _holds(store, 2)
+    assert open_checkpoint(d).paths == [os.path.join(d, "model.safetensors")]   # what inspect reads
+
+
+@pytest.mark.parametrize("second", ["one file", "fewer shards", "more shards"])
+def test_resaving_a_directory_leaves_only_the_new_checkpoint(tmp_path, second):
+    d = tmp_path / "ckpt"
+    first_limit = "5GB" if second != "one file" else "1MB"
+    fs.save_file(_big(1), d, max_shard_size="1MB" if second == "fewer shards" else first_limit, fsync=False)
+    from foxhunt_stream.engine.saver import save_sharded
+    limit = {"one file": "5GB", "fewer shards": "2MB", "more shards": "1MB"}[second]
+    written = save_sharded([(k, v.nbytes) for k, v in _big(2).items()],
+                           lambda names: {n: _big(2)[n] for n in names}, d, limit, fsync=False)
+    assert sorted(os.listdir(d)) == sorted(os.path.basename(p) for p in written)
+    _holds(fs.load_file(d), 2)
+
+
+def test_a_sharded_save_removes_the_files_an_earlier_index_named(tmp_path):
+    """An index written by someone else, with shard names of its own: they are part of the
+    checkpoint a load would take, so they go; a file no index names stays."""
+    import json
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    stn.save_file({"a": np.ones(3, np.float32)}, str(d / "weights-a.safetensors"))
+    stn.save_file({"b": np.ones(3, np.float32)}, str(d / "weights-b.safetensors"))
+    stn.save_file({"c": np.ones(3, np.float32)}, str(d / "other.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a": "weights-a.safetensors", "b": "./weights-b.safetensors",
+                                        "x": "../outside.safetensors"}}))
+    (tmp_path / "outside.safetensors").write_bytes(b"kept")
+    fs.save_file(_big(3), d, max_shard_size="1MB", fsync=False)
+    names = sorted(os.listdir(d))
+    assert "weights-a.safetensors" not in names and "weights-b.safetensors" not in names
+    assert "other.safetensors" in names and (tmp_path / "outside.safetensors").read_bytes() == b"kept"
+    _holds(fs.load_file(d), 3)
+
+
+def test_a_failed_resave_keeps_the_old_files(tmp_path, monkeypatch):
+    """Moving an earlier save's file aside is part of the commit: if it fails, the renames
+    already done are undone and the directory is as it was."""
+    from foxhunt_stream.io import sink
+    d = tmp_path / "ckpt"
+    fs.save_file(_big(1), d, max_shard_size="1MB", fsync=False)
+    old = _snapshot(d)
+    real = os.rename
+
+    def rename(a, b):
+        if os.path.basename(os.fspath(a)) == "model-00004-of-00004.safetensors":
+            raise OSError(13, "injected: cannot move")
+        return real(a, b)
+    monkeypatch.setattr(sink.os, "rename", rename)
+    with pytest.raises(OSError, match="injected"):
+        fs.save_file(_big(2), d, max_shard_size="5GB", fsync=False)
+    monkeypatch.undo()
+    assert _snapshot(d) == old
+    _holds(fs.load_file(d), 1)
+
+
 # ---------------------------------------------------------------- what a replaced file keeps
 
 def test_a_save_keeps_the_mode_of_the_file_it_replaces(tmp_path):

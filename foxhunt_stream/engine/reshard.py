@@ -43,8 +43,8 @@ def reshard(source, out_dir, max_shard_size: int | str, *, fsync: bool = True, c
             progress: bool | None = None, **options) -> list[str]:
     """Rewrite ``source`` (any checkpoint form) into ``out_dir`` as shards of at most
     ``max_shard_size``; tensors are byte-identical, their order is the source's file order, and
-    the shards' metadata is the source shards' (merged). ``out_dir`` (a name ending in
-    ``.safetensors`` is refused: ValueError) is created if missing (and
+    the shards' metadata is the source shards' (merged; without their save id). ``out_dir`` (a
+    name ending in ``.safetensors`` is refused: ValueError) is created if missing (and
     removed again if the rewrite fails) and must not already hold a checkpoint. ``checksum``
     ("xxh3-64", "crc32c") stores fresh digests (the source's, if any, are dropped: the saver
     writes new ones or none); ``options`` are settings. Returns the paths written, the index last."""
@@ -53,7 +53,7 @@ def reshard(source, out_dir, max_shard_size: int | str, *, fsync: bool = True, c
     ck = open_checkpoint(source)
     created = _output_directory(out_dir, ck.paths)
     metadata = None
-    for h in ck.headers:
+    for h in ck.headers:   # a save id among them is dropped by the writer, which gives its own
         if h.metadata is not None:
             metadata = {**(metadata or {}), **h.metadata}
     # Shards in file-name order (an index lists them by tensor name), tensors in offset order.

@@ -9,7 +9,8 @@ A sharded save (``save_file(max_shard_size=)``, and ``save_sharded``, which prod
 shard's tensors only when that shard is written) goes through one shard writer: the grouping,
 names and index of ``format.shards``, every file written to a temp file, then all renamed into
 place, the index last, and the files of an earlier save that a load of the directory would take
-and this save did not overwrite removed (``sink.commit_all``).
+and this save did not overwrite removed, all under the directory's lock (``sink.commit_all``).
+A save of several shards writes one save id into every shard and the index.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import stat
 import time
 from dataclasses import dataclass, replace
@@ -35,7 +37,7 @@ from ..integrity.checksums import SaveDigests, strip
 from .pipeline import Job
 from ..format.plan import plan_save
 from .progress import NO_PROGRESS, Progress, progress_bar
-from ..format.shards import INDEX_NAME, index_file_names, index_json, is_shard_name, shard_names, split_shards
+from ..format.shards import INDEX_NAME, SAVE_KEY, index_file_names, index_json, is_shard_name, shard_names, split_shards
 from ..io.memory import MemorySink
 from ..io.sink import AtomicFile, commit_all, write_small
 from .targets import CudaTarget
@@ -255,12 +257,18 @@ def _write_shards(sizes: Sequence[tuple[str, int]], produce: Callable[[list[str]
                   limit: int, metadata, s: _settings.Settings, fsync: bool, spec, bar: Progress) -> list[str]:
     """The shard writer: ``sizes`` grouped into shards of at most ``limit`` bytes, each group's
     sources made by ``produce(names)`` only when its shard is written (so a streaming caller holds
-    one shard in memory), every shard and the index written to temp files, then all renamed into
-    place, the index last, and the files of an earlier save this one replaces removed
-    (``_earlier_files``; ``sink.commit_all``). On any failure no new file is left and the old
-    ones are as they were. Returns the paths, the index (when there are several shards) last."""
+    one shard in memory), every shard and the index written to temp files, then, under the
+    directory's lock, all renamed into place, the index last, and the files of an earlier save
+    this one replaces removed (``_earlier_files``; ``sink.commit_all``). Several shards carry one
+    new save id (``SAVE_KEY``, in each shard's metadata and the index's); one that ``metadata``
+    brings is dropped. On any failure no new file is left and the old ones are as they were.
+    Returns the paths, the index (when there are several shards) last."""
     groups = split_shards(sizes, limit)
     files = shard_names(len(groups))
+    metadata = {k: v for k, v in metadata.items() if k != SAVE_KEY} if metadata else metadata
+    save = secrets.token_hex(16) if len(groups) > 1 else None
+    if save is not None:
+        metadata = {**(metadata or {}), SAVE_KEY: save}
     weight_map: dict[str, str] = {}
     pending: list[AtomicFile] = []
     try:
@@ -273,7 +281,8 @@ def _write_shards(sizes: Sequence[tuple[str, int]], produce: Callable[[list[str]
             weight_map.update((n, fname) for n in names)
         if len(groups) > 1:
             pending.append(write_small(os.path.join(directory, INDEX_NAME),
-                                       index_json(weight_map, sum(size for _, size in sizes)), fsync, commit=False))
+                                       index_json(weight_map, sum(size for _, size in sizes), save), fsync,
+                                       commit=False))
         commit_all(pending, replaces=lambda: _earlier_files(directory))
     except BaseException:
         for f in pending:

@@ -3,6 +3,11 @@
 
 The grouping, the names and the index follow Hugging Face's ``save_pretrained``, so a sharded
 save loads wherever a Hugging Face checkpoint does.
+
+A save of several shards also writes one save id (random hex) under ``SAVE_KEY`` into every
+shard's ``__metadata__`` and into the index's ``"metadata"``: a load checks that the shards and
+the index carry the same one (``io.checkpoint.assemble``), which finds a directory left holding
+files of two saves. Other readers ignore the key.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Mapping, Sequence
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+SAVE_KEY = "foxhunt.save"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -57,10 +63,14 @@ def is_shard_name(name: str) -> bool:
     return name == SINGLE_NAME or _SHARD_NAME.fullmatch(name) is not None
 
 
-def index_json(weight_map: Mapping[str, str], total_size: int) -> bytes:
-    """The index's bytes: ``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``,
-    keys sorted, two-space indent, a final newline."""
-    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+def index_json(weight_map: Mapping[str, str], total_size: int, save: str | None = None) -> bytes:
+    """The index's bytes: ``{"metadata": {"total_size": ..., SAVE_KEY: save}, "weight_map":
+    {name: file}}`` (the save id only when given), keys sorted, two-space indent, a final
+    newline."""
+    meta: dict = {"total_size": total_size}
+    if save is not None:
+        meta[SAVE_KEY] = save
+    index = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
     return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
 
 

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from ..settings import WRITE_BACKENDS  # noqa: F401  (the settings table owns the names)
+from . import dirlock
 from .libc import libc
 
 TEMP_MARK = ".foxhunt-tmp."
@@ -299,61 +300,70 @@ def _undo_publish(path: str, existed: bool, backup: str | None) -> None:
 
 
 def commit_all(files: Sequence[AtomicFile], replaces: Callable[[], Iterable[str]] | None = None) -> None:
-    """Publish several files as one, in order (an index last).
+    """Publish several files as one, in order (an index last), under the exclusive lock of
+    their directory (``dirlock``), which readers of an index take shared: a reader sees the set
+    before the commit or after it, and two commits into one directory run one after the other.
 
     Every file is sealed first, so the failures that writing can still have (fsync's among them)
-    come before anything is renamed. Then ``replaces()`` names the files of an earlier version
-    that the new set replaces without overwriting them; each file is renamed into place, and
-    then each of those is moved aside. If a rename fails, the ones already done are undone (a
-    new name removed, a replaced or moved file restored from a hard link or the name it was
-    moved to). On any failure every temp file is removed and the directory holds what it held
-    before; on success the links and the moved files go and each directory is fsynced once.
+    come before anything is renamed. Then, with the lock held, ``replaces()`` names the files of
+    an earlier version that the new set replaces without overwriting them; each file is renamed
+    into place, and then each of those is moved aside. If a rename fails, the ones already done
+    are undone (a new name removed, a replaced or moved file restored from a hard link or the
+    name it was moved to). On any failure every temp file is removed and the directory holds
+    what it held before; on success the links and the moved files go and each directory is
+    fsynced once.
     """
     published: list[tuple[str, bool, str | None]] = []
-    try:
+    directories = sorted({os.path.dirname(f.path) for f in files})
+    with contextlib.ExitStack() as held:
+        try:
+            for f in files:
+                f.seal()
+            for directory in directories:
+                held.enter_context(dirlock.locked(directory))
+            ours = {f.path for f in files}
+            earlier = [p for p in (replaces() if replaces is not None else ()) if p not in ours]
+            for f in files:
+                existed, backup = _keep_old(f.path)
+                published.append((f.path, existed, backup))
+                os.replace(f.tmp, f.path)
+            for path in earlier:
+                aside = _temp_name(path)
+                try:
+                    os.rename(path, aside)
+                except FileNotFoundError:
+                    continue
+                published.append((path, True, aside))
+        except BaseException:
+            for path, existed, backup in reversed(published):
+                _undo_publish(path, existed, backup)
+            for f in files:
+                f.abort()
+            raise
         for f in files:
-            f.seal()
-        ours = {f.path for f in files}
-        earlier = [p for p in (replaces() if replaces is not None else ()) if p not in ours]
-        for f in files:
-            existed, backup = _keep_old(f.path)
-            published.append((f.path, existed, backup))
-            os.replace(f.tmp, f.path)
-        for path in earlier:
-            aside = _temp_name(path)
-            try:
-                os.rename(path, aside)
-            except FileNotFoundError:
-                continue
-            published.append((path, True, aside))
-    except BaseException:
-        for path, existed, backup in reversed(published):
-            _undo_publish(path, existed, backup)
-        for f in files:
-            f.abort()
-        raise
-    for f in files:
-        f._close()
-    for _, _, backup in published:
-        if backup is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(backup)
-    for directory in dict.fromkeys(os.path.dirname(f.path) for f in files if f.fsync):
-        _fsync_dir(directory)
+            f._close()
+        for _, _, backup in published:
+            if backup is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(backup)
+        for directory in dict.fromkeys(os.path.dirname(f.path) for f in files if f.fsync):
+            _fsync_dir(directory)
 
 
 def clean_stale_temps(directory: str | os.PathLike) -> list[str]:
     """Remove the temp files in ``directory`` that no save is writing: those whose lock (a writer
     holds an exclusive ``flock`` on its temp file from its creation to its commit or abort) can
     be taken at once. A temp that is still empty and younger than ``FRESH_SECONDS`` is kept:
-    its writer may be between creating and locking it. Returns the paths removed."""
+    its writer may be between creating and locking it. Runs under the directory's shared lock,
+    so it never sees a commit's links to the files it replaces. Returns the paths removed."""
     directory = os.fspath(directory)
     removed = []
-    for name in sorted(os.listdir(directory)):
-        if TEMP_MARK in name and name.startswith("."):
-            full = os.path.join(directory, name)
-            if _remove_if_unlocked(full):
-                removed.append(full)
+    with dirlock.locked(directory, shared=True):
+        for name in sorted(os.listdir(directory)):
+            if TEMP_MARK in name and name.startswith("."):
+                full = os.path.join(directory, name)
+                if _remove_if_unlocked(full):
+                    removed.append(full)
     return removed
 
 

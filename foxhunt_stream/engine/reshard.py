@@ -13,7 +13,7 @@ import os
 
 from ..io.checkpoint import INDEX_NAME, open_checkpoint
 from .safe_open import safe_open
-from .saver import RawTensor, save_sharded
+from .saver import RawTensor, check_shard_directory, save_sharded
 
 __all__ = ["reshard", "save_sharded"]   # save_sharded is the saver's; importable from here too
 
@@ -43,15 +43,17 @@ def reshard(source, out_dir, max_shard_size: int | str, *, fsync: bool = True, c
             progress: bool | None = None, **options) -> list[str]:
     """Rewrite ``source`` (any checkpoint form) into ``out_dir`` as shards of at most
     ``max_shard_size``; tensors are byte-identical, their order is the source's file order, and
-    the shards' metadata is the source shards' (merged). ``out_dir`` is created if missing (and
+    the shards' metadata is the source shards' (merged; without their save id). ``out_dir`` (a
+    name ending in ``.safetensors`` is refused: ValueError) is created if missing (and
     removed again if the rewrite fails) and must not already hold a checkpoint. ``checksum``
     ("xxh3-64", "crc32c") stores fresh digests (the source's, if any, are dropped: the saver
     writes new ones or none); ``options`` are settings. Returns the paths written, the index last."""
     out_dir = os.fspath(out_dir)
+    check_shard_directory(out_dir, "reshard")
     ck = open_checkpoint(source)
     created = _output_directory(out_dir, ck.paths)
     metadata = None
-    for h in ck.headers:
+    for h in ck.headers:   # a save id among them is dropped by the writer, which gives its own
         if h.metadata is not None:
             metadata = {**(metadata or {}), **h.metadata}
     # Shards in file-name order (an index lists them by tensor name), tensors in offset order.

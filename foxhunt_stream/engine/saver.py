@@ -8,14 +8,19 @@ at a few chunks. The file appears atomically (see ``sink``).
 A sharded save (``save_file(max_shard_size=)``, and ``save_sharded``, which produces each
 shard's tensors only when that shard is written) goes through one shard writer: the grouping,
 names and index of ``format.shards``, every file written to a temp file, then all renamed into
-place, the index last (``sink.commit_all``).
+place, the index last, and the files of an earlier save that a load of the directory would take
+and this save did not overwrite removed, all under the directory's lock (``sink.commit_all``).
+A save of several shards writes one save id into every shard and the index.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import secrets
+import stat
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
@@ -27,13 +32,12 @@ from ..cuda.devices import Device
 from ..errors import MetaTensorError, NotATensorError, SparseTensorError
 from ..format.dtypes import DType, from_numpy, from_torch
 from ..format.dtypes import nbytes as _dtype_nbytes
-from ..format.header import layout, serialize_header
+from ..format.header import MAX_HEADER_SIZE, layout, serialize_header
 from ..integrity.checksums import SaveDigests, strip
 from .pipeline import Job
 from ..format.plan import plan_save
 from .progress import NO_PROGRESS, Progress, progress_bar
-from ..format.shards import index_json, shard_names, split_shards
-from ..io.checkpoint import INDEX_NAME
+from ..format.shards import INDEX_NAME, SAVE_KEY, index_file_names, index_json, is_shard_name, shard_names, split_shards
 from ..io.memory import MemorySink
 from ..io.sink import AtomicFile, commit_all, write_small
 from .targets import CudaTarget
@@ -253,11 +257,18 @@ def _write_shards(sizes: Sequence[tuple[str, int]], produce: Callable[[list[str]
                   limit: int, metadata, s: _settings.Settings, fsync: bool, spec, bar: Progress) -> list[str]:
     """The shard writer: ``sizes`` grouped into shards of at most ``limit`` bytes, each group's
     sources made by ``produce(names)`` only when its shard is written (so a streaming caller holds
-    one shard in memory), every shard and the index written to temp files, then all renamed into
-    place, the index last (``sink.commit_all``). On any failure no new file is left and the old
-    ones are as they were. Returns the paths, the index (when there are several shards) last."""
+    one shard in memory), every shard and the index written to temp files, then, under the
+    directory's lock, all renamed into place, the index last, and the files of an earlier save
+    this one replaces removed (``_earlier_files``; ``sink.commit_all``). Several shards carry one
+    new save id (``SAVE_KEY``, in each shard's metadata and the index's); one that ``metadata``
+    brings is dropped. On any failure no new file is left and the old ones are as they were.
+    Returns the paths, the index (when there are several shards) last."""
     groups = split_shards(sizes, limit)
     files = shard_names(len(groups))
+    metadata = {k: v for k, v in metadata.items() if k != SAVE_KEY} if metadata else metadata
+    save = secrets.token_hex(16) if len(groups) > 1 else None
+    if save is not None:
+        metadata = {**(metadata or {}), SAVE_KEY: save}
     weight_map: dict[str, str] = {}
     pending: list[AtomicFile] = []
     try:
@@ -266,18 +277,64 @@ def _write_shards(sizes: Sequence[tuple[str, int]], produce: Callable[[list[str]
             f = _write_one(sources, os.path.join(directory, fname), metadata, s, fsync, spec, bar)
             pending.append(f)
             del sources          # before the next group is produced: one shard's tensors at a time
-            f.seal()             # durable and closed: one file open at a time
+            f.seal()             # durable; kept open (and locked) until the commit
             weight_map.update((n, fname) for n in names)
         if len(groups) > 1:
             pending.append(write_small(os.path.join(directory, INDEX_NAME),
-                                       index_json(weight_map, sum(size for _, size in sizes)), fsync, commit=False))
-        commit_all(pending)
+                                       index_json(weight_map, sum(size for _, size in sizes), save), fsync,
+                                       commit=False))
+        commit_all(pending, replaces=lambda: _earlier_files(directory))
     except BaseException:
         for f in pending:
             f.abort()
         raise
     return [os.path.join(directory, fname) for fname in files] + ([os.path.join(directory, INDEX_NAME)]
                                                                    if len(groups) > 1 else [])
+
+
+def _earlier_files(directory: str) -> list[str]:
+    """The files in ``directory`` that a load of it could take as (part of) its checkpoint: the
+    index, the ``*.safetensors`` files it names, and every name a sharded save gives
+    (``model.safetensors``, ``model-NNNNN-of-NNNNN.safetensors``), each a regular file or a
+    symlink. No other file: other ``*.safetensors`` files, configs and the like stay. A sharded
+    save removes those it does not overwrite (the commit leaves its own out)."""
+    names = {n for n in os.listdir(directory) if is_shard_name(n)}
+    raw = _read_regular(os.path.join(directory, INDEX_NAME), MAX_HEADER_SIZE)
+    if raw is not None:
+        names |= {INDEX_NAME} | index_file_names(raw)
+    out = []
+    for name in sorted(names):
+        full = os.path.join(directory, name)
+        try:
+            mode = os.lstat(full).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+            out.append(full)
+    return out
+
+
+def _read_regular(path: str, limit: int) -> bytes | None:
+    """Up to ``limit`` bytes of ``path`` if it is a regular file (a FIFO is never waited on), else
+    None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        out = bytearray()
+        while len(out) < limit:
+            chunk = os.read(fd, min(1 << 20, limit - len(out)))
+            if not chunk:
+                break
+            out += chunk
+        return bytes(out)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def check_names(tensors: Any) -> None:
@@ -316,9 +373,16 @@ def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | No
     8 MiB), for ``load_file(verify=True)`` and ``foxhunt_stream.verify``. A "foxhunt.checksums"
     entry in ``metadata`` itself is dropped: it described some other file's bytes.
     ``progress``: a bar on stderr (None: only on a terminal and past about a second).
+    A ``path`` that is a directory without ``max_shard_size`` (IsADirectoryError), or one whose
+    name ends in ``.safetensors`` with it (ValueError), is refused before anything is written.
     """
     check_names(tensors)
     s, metadata, spec = _save_options(metadata, checksum, checksum_block, options)
+    if max_shard_size is None and os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "is a directory; save_file writes one file there (with "
+                                "max_shard_size it writes a directory of shards)", os.fspath(path))
+    if max_shard_size is not None:
+        check_shard_directory(path, "save_file with max_shard_size")
     sources = [_describe(name, x) for name, x in tensors.items()]
     _wait_producers(sources)
     bar = progress_bar(sum(src.nbytes for src in sources), "save", progress)
@@ -340,6 +404,18 @@ def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | No
             raise
     finally:
         bar.close()
+
+
+def check_shard_directory(path, writer: str) -> None:
+    """A ValueError naming ``path`` when its name ends in ``.safetensors``: that is a file's name,
+    and ``writer`` (the call, for the message) writes a directory of shards, which a load of the
+    directory above would then meet where it expects a file. A file already there is left to
+    the writer's own check, which says so."""
+    name = os.path.basename(os.path.normpath(os.fspath(path)))
+    if name.endswith(".safetensors") and (os.path.isdir(path) or not os.path.lexists(path)):
+        raise ValueError(f"{os.fspath(path)}: a name ending in .safetensors is a file's, but {writer} writes a "
+                         f"directory of shards (model-0000i-of-0000n.safetensors and {INDEX_NAME}); name a "
+                         "directory")
 
 
 def _shard_directory(directory: str) -> bool:
@@ -367,6 +443,7 @@ def save_sharded(sizes: Sequence[tuple[str, int]], fetch: Callable[[list[str]], 
     s, metadata, spec = _save_options(metadata, checksum, checksum_block, options)
     limit = _shard_limit(max_shard_size)
     directory = os.fspath(directory)
+    check_shard_directory(directory, "save_sharded")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{directory}: not a directory")
 

@@ -3,12 +3,24 @@
 
 The grouping, the names and the index follow Hugging Face's ``save_pretrained``, so a sharded
 save loads wherever a Hugging Face checkpoint does.
+
+A save of several shards also writes one save id (random hex) under ``SAVE_KEY`` into every
+shard's ``__metadata__`` and into the index's ``"metadata"``: a load checks that the shards and
+the index carry the same one (``io.checkpoint.assemble``), which finds a directory left holding
+files of two saves. Other readers ignore the key.
 """
 
 from __future__ import annotations
 
 import json
+import posixpath
+import re
 from typing import Mapping, Sequence
+
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+SAVE_KEY = "foxhunt.save"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def split_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
@@ -41,12 +53,42 @@ def shard_names(groups: int) -> list[str]:
     """The file names of ``groups`` shards: ``model.safetensors`` alone, else
     ``model-0000i-of-0000n.safetensors``."""
     if groups == 1:
-        return ["model.safetensors"]
+        return [SINGLE_NAME]
     return [f"model-{i + 1:05d}-of-{groups:05d}.safetensors" for i in range(groups)]
 
 
-def index_json(weight_map: Mapping[str, str], total_size: int) -> bytes:
-    """The index's bytes: ``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``,
-    keys sorted, two-space indent, a final newline."""
-    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+def is_shard_name(name: str) -> bool:
+    """Whether ``name`` is one ``shard_names`` gives (``model.safetensors``,
+    ``model-NNNNN-of-NNNNN.safetensors``), whatever the count."""
+    return name == SINGLE_NAME or _SHARD_NAME.fullmatch(name) is not None
+
+
+def index_json(weight_map: Mapping[str, str], total_size: int, save: str | None = None) -> bytes:
+    """The index's bytes: ``{"metadata": {"total_size": ..., SAVE_KEY: save}, "weight_map":
+    {name: file}}`` (the save id only when given), keys sorted, two-space indent, a final
+    newline."""
+    meta: dict = {"total_size": total_size}
+    if save is not None:
+        meta[SAVE_KEY] = save
+    index = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
     return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+
+
+def index_file_names(raw: bytes) -> set[str]:
+    """The ``*.safetensors`` file names an index's bytes map tensors to, each a plain name in the
+    index's own directory (``./x`` as ``x``; anything with a directory part, ``..`` or an
+    absolute path left out); an empty set for bytes that are not such an index."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return set()
+    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(weight_map, dict):
+        return set()
+    names = set()
+    for fname in weight_map.values():
+        if isinstance(fname, str) and "\\" not in fname and "\0" not in fname:
+            plain = posixpath.normpath(fname)
+            if "/" not in plain and plain.endswith(".safetensors"):
+                names.add(plain)
+    return names

@@ -2,21 +2,31 @@
 
 Reading a header is the only I/O here: the 8-byte prefix, then exactly the announced number
 of bytes (capped by the format's limit and the file size), then the pure parser.
+
+A directory is read by one rule (``resolve``; ``models.hf_source`` uses it too), transformers'
+order: ``model.safetensors`` if it is a file there, else ``model.safetensors.index.json``, else
+every ``*.safetensors`` entry in name order. Whatever a directory's rule takes must lie in the
+directory (or, for a Hugging Face hub snapshot, in its repository's ``blobs/``), as an index's
+files must; a listed entry must be a regular file, and is never opened otherwise. An index and
+its shards' headers are read under the directory's shared lock (``dirlock``), which a sharded
+save's commit holds exclusively.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple
 
 from ..errors import FormatError
 from ..format.header import MAX_HEADER_SIZE, N_LEN, Header, TensorInfo, parse_header, read_header_len
+from ..format.shards import INDEX_NAME, SAVE_KEY, SINGLE_NAME
+from . import dirlock
 from .source import file_identity
-
-INDEX_NAME = "model.safetensors.index.json"
 
 
 def read_header(path: str | os.PathLike) -> Header:
@@ -66,8 +76,9 @@ class Checkpoint:
 
         A single file: its header's metadata as is. Several files: every shard's metadata and
         the index's ``"metadata"`` object merged (non-string index values such as ``total_size``
-        as JSON text). A key given the same value twice is kept once; a key given two
-        different values is a FormatError naming the key and both files, never a silent pick.
+        as JSON text), without the save id of a sharded save (``format.shards.SAVE_KEY``). A key
+        given the same value twice is kept once; a key given two different values is a
+        FormatError naming the key and both files, never a silent pick.
         Per-file metadata stays available as ``read_header(path).metadata``.
         """
         if len(self.paths) == 1 and self.index_metadata is None:
@@ -79,6 +90,8 @@ class Checkpoint:
         sources.append((self.index_path or "the index", index_meta))
         for path, meta in sources:
             for k, v in meta.items():
+                if k == SAVE_KEY:   # which save wrote each file (checked by assemble), not the model's metadata
+                    continue
                 if k in merged and merged[k] != v:
                     raise FormatError("metadata-conflict",
                                       f"metadata key {k!r} is {merged[k]!r} in {where[k]} but {v!r} in {path}",
@@ -98,10 +111,14 @@ class Resolved(NamedTuple):
     weight_map: dict[str, str] | None      # tensor name -> full path of its shard
     index_metadata: dict | None
     index_path: str | None = None
+    index_identity: tuple | None = None    # file_identity of the index, taken before it was read
+    directory: str | None = None           # the directory whose rule chose the files, if one did
 
 
 def resolve(source) -> Resolved:
-    """The files of any accepted source; with an index, its weight_map and metadata too."""
+    """The files of any accepted source; with an index, its weight_map and metadata too. A
+    directory by the one rule (module docstring); an index and a directory under the
+    directory's shared lock."""
     if isinstance(source, (list, tuple)):
         if not source:
             raise ValueError("empty list of checkpoint files")
@@ -113,18 +130,79 @@ def resolve(source) -> Resolved:
         return Resolved(paths, None, None)
     path = os.fspath(source)
     if os.path.isdir(path):
-        index = os.path.join(path, INDEX_NAME)
-        if os.path.isfile(index):
-            return _from_index(index)
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no *.safetensors files and no {INDEX_NAME}")
-        return Resolved(files, None, None)
+        with dirlock.locked(path, shared=True):
+            return _in_directory(path)
     if path.endswith(".json"):
-        return _from_index(path)
+        with dirlock.locked(os.path.dirname(os.path.abspath(path)), shared=True):
+            return _index(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"No such file or directory: {path}")   # safetensors' words
     return Resolved([path], None, None)
+
+
+def directory_weights(directory: str | os.PathLike) -> str | None:
+    """What the directory rule loads from ``directory`` when it is one file: ``model.safetensors``
+    if it is a file there, else the index if it is; None when neither is (the rule then takes
+    every ``*.safetensors`` entry). A file that resolves outside the directory (and its hub
+    ``blobs/``) is a FormatError ``path-escape``."""
+    directory = os.fspath(directory)
+    for name in (SINGLE_NAME, INDEX_NAME):
+        full = os.path.join(directory, name)
+        if os.path.isfile(full):
+            _confine(full, _allowed_roots(os.path.abspath(directory)))
+            return full
+    return None
+
+
+def _in_directory(path: str) -> Resolved:
+    chosen = directory_weights(path)
+    if chosen is not None and chosen.endswith(".json"):
+        return _index(chosen)._replace(directory=path)
+    if chosen is not None:
+        return Resolved([chosen], None, None, directory=path)
+    roots = _allowed_roots(os.path.abspath(path))
+    files = []
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        full = os.path.join(path, name)
+        _confine(full, roots)
+        try:
+            st = os.stat(full)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"No such file or directory: {full}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError("not-a-regular-file", f"{name} in the checkpoint directory is not a regular file "
+                              f"({_kind(st.st_mode)}); a directory load reads only regular *.safetensors files",
+                              path=full)
+        files.append(full)
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files and no {INDEX_NAME}")
+    return Resolved(files, None, None, directory=path)
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "another kind of file"
+
+
+def _confine(full: str, roots: list[str]) -> None:
+    """``full`` must really lie under one of ``roots`` (``_allowed_roots``), symlinks resolved."""
+    real = os.path.realpath(full)
+    if not any(os.path.commonpath([real, r]) == r for r in roots):
+        raise FormatError("path-escape", f"{os.path.basename(full)} resolves outside the checkpoint directory "
+                          f"(to {real})", path=full)
+
+
+def _index(index_path: str) -> Resolved:
+    """``_from_index`` with the index's identity, taken before it is read: a replacement after that
+    shows as a change (``assemble``)."""
+    try:
+        identity = file_identity(os.stat(index_path))
+    except OSError:
+        identity = None
+    return _from_index(index_path)._replace(index_identity=identity)
 
 
 def _allowed_roots(base: str) -> list[str]:
@@ -197,17 +275,38 @@ def open_checkpoint(source) -> Checkpoint:
 
 
 def open_resolved(resolved: Resolved) -> Checkpoint:
-    """``open_checkpoint`` of a source already resolved."""
-    return assemble(resolved, [read_header_with_identity(p) for p in resolved.paths])
+    """``open_checkpoint`` of a source already resolved. The headers of files an index or a
+    directory named are read under the directory's shared lock, after resolving the source again
+    if its index is no longer the file that was read (a save committed in between); a file gone
+    by then was removed by a concurrent save: FormatError ``file-replaced``, which a load retries."""
+    where = resolved.directory or (os.path.dirname(os.path.abspath(resolved.index_path))
+                                   if resolved.index_path is not None else None)
+    with dirlock.locked(where, shared=True) if where is not None else contextlib.nullcontext():
+        if resolved.index_path is not None and _changed(resolved.index_path, resolved.index_identity):
+            resolved = _in_directory(resolved.directory) if resolved.directory else _index(resolved.index_path)
+        read = []
+        for p in resolved.paths:
+            try:
+                read.append(read_header_with_identity(p))
+            except FileNotFoundError:
+                if where is None:
+                    raise
+                raise FormatError("file-replaced", "was removed after the checkpoint's files were listed (a "
+                                  "concurrent save replaced the checkpoint)", path=p) from None
+    return assemble(resolved, read)
 
 
 def assemble(resolved: Resolved, read: list[tuple[Header, tuple]]) -> Checkpoint:
     """The checkpoint of ``resolved``'s files from their headers and identities (in file order),
-    checked across files: no tensor in two shards, and an index that agrees with the headers."""
-    paths, weight_map, index_meta, index_path = resolved
+    checked across files: one save's files where the index names its save, no tensor in two
+    shards, and an index that agrees with the headers."""
+    paths, weight_map, index_meta, index_path = (resolved.paths, resolved.weight_map, resolved.index_metadata,
+                                                 resolved.index_path)
     headers = [h for h, _ in read]
     ck = Checkpoint(paths, headers, index_metadata=index_meta, index_path=index_path,
                     identities=[i for _, i in read])
+    if weight_map is not None and index_meta is not None and SAVE_KEY in index_meta:
+        _one_save(resolved, read)
     for i, h in enumerate(headers):
         for t in h.tensors:
             prev = ck.names.get(t.name)
@@ -227,6 +326,42 @@ def assemble(resolved: Resolved, read: list[tuple[Header, tuple]]) -> Checkpoint
             raise FormatError("index-mismatch", f"shards hold {len(extra)} tensor(s) the index does not list, "
                               f"e.g. {extra[:3]}", path=paths[ck.names[extra[0]][0]])
     return ck
+
+
+def _one_save(resolved: Resolved, read: list[tuple[Header, tuple]]) -> None:
+    """Every shard carries the save id the index carries (``format.shards.SAVE_KEY``). A shard of
+    another save is ``file-replaced`` when a file changed since it was read (a concurrent save:
+    the load starts over), else ``mixed-saves``: the directory holds files of two saves (a save
+    interrupted while it renamed its files, or a writer that did not lock the directory). Which
+    of the two is decided under the directory's shared lock, after any commit in progress."""
+    save = resolved.index_metadata.get(SAVE_KEY)
+    for path, (header, _) in zip(resolved.paths, read):
+        theirs = (header.metadata or {}).get(SAVE_KEY)
+        if theirs == save:
+            continue
+        with dirlock.locked(os.path.dirname(os.path.abspath(resolved.index_path)), shared=True):
+            changed = _changed_since(resolved, read)
+        if changed:
+            raise FormatError("file-replaced", "the checkpoint changed while its files were read (a concurrent "
+                              "save replaced it)", path=path)
+        raise FormatError("mixed-saves", f"written by save {theirs!r}, but {os.path.basename(resolved.index_path)} "
+                          f"by save {save!r}: the directory holds files of two saves", path=path)
+
+
+def _changed_since(resolved: Resolved, read: list[tuple[Header, tuple]]) -> bool:
+    """Whether the index or a shard is not the file it was when read (replaced, removed)."""
+    return any(_changed(path, identity) for path, identity in [(resolved.index_path, resolved.index_identity)]
+               + [(p, i) for p, (_, i) in zip(resolved.paths, read)])
+
+
+def _changed(path: str, identity: tuple | None) -> bool:
+    """Whether ``path`` is no longer the file of ``identity`` (False when that is unknown)."""
+    if identity is None:
+        return False
+    try:
+        return file_identity(os.stat(path)) != identity
+    except OSError:
+        return True
 
 
 Names = None | str | Iterable[str] | Callable[[str], bool]

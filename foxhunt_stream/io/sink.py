@@ -2,8 +2,10 @@
 all, and a set of files (a sharded checkpoint and its index) that appears together (``commit_all``).
 
 Temp files are named ``.<target>.foxhunt-tmp.<pid>.<random>`` in the target's directory: never
-``*.safetensors``, so a crash leaves nothing a loader would mistake for a checkpoint, and
-``clean_stale_temps`` removes the ones whose process is gone.
+``*.safetensors``, so a crash leaves nothing a loader would mistake for a checkpoint. The writer
+holds an exclusive ``flock`` on its temp file from its creation to its commit or abort, and
+``clean_stale_temps`` removes only the temps whose lock it can take: no live writer holds them,
+in this PID namespace or any other (the pid in the name is informative only).
 """
 
 from __future__ import annotations
@@ -11,19 +13,26 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import secrets
-from typing import Callable, Sequence
+import stat
+import time
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from ..settings import WRITE_BACKENDS  # noqa: F401  (the settings table owns the names)
+from . import dirlock
 from .libc import libc
 
 TEMP_MARK = ".foxhunt-tmp."
 MAP_MIN_BYTES = 64 << 20   # "auto" maps files at least this large...
 MAP_MIN_WRITERS = 8        # ...written by at least this many threads (parallel copies must beat one pwrite)
+# An unlocked temp file that is still empty and younger than this may belong to a writer between
+# creating and locking it (it locks before it sizes the file): clean_stale_temps keeps it.
+FRESH_SECONDS = 2.0
 
 # Test-only fault injection: called as hook(sink, offset, length) before each write; may raise.
 fault_hook: Callable[["AtomicFile", int, int], None] | None = None
@@ -94,7 +103,16 @@ class AtomicFile:
         self.tmp = _temp_name(self.path)
         mode = 0o666 & ~_umask()
         self._mapped = False
+        self._sealed = False
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)   # before it has a size: see clean_stale_temps
+            _take_attributes(self.fd, self.path)
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, OSError):
+                raise OSError(e.errno, f"{self.path}: cannot prepare its temp file: {e.strerror}") from e
+            raise
         try:
             want_map = backend == "mmap" or (backend == "auto" and size >= MAP_MIN_BYTES
                                              and writers >= MAP_MIN_WRITERS and _in_memory_fs(directory))
@@ -145,13 +163,13 @@ class AtomicFile:
             done += n
 
     def seal(self) -> None:
-        """Every byte written: make them durable (fsync, when asked) and close the temp file,
-        which stays unpublished until ``commit``. Idempotent; on failure the caller aborts."""
-        if self.fd >= 0:
+        """Every byte written: make them durable (fsync, when asked). The temp file stays open,
+        and locked, and unpublished until ``commit`` (or ``abort``). Idempotent; on failure the
+        caller aborts."""
+        if self.fd >= 0 and not self._sealed:
             if self.fsync:
                 os.fsync(self.fd)   # also writes back the pages dirtied through mappings
-            os.close(self.fd)
-            self.fd = -1
+            self._sealed = True
 
     def commit(self) -> None:
         """Publish the file: sealed, then renamed over ``path``; on failure nothing changed."""
@@ -161,20 +179,59 @@ class AtomicFile:
         except BaseException:
             self.abort()
             raise
+        self._close()
         if self.fsync:
             _fsync_dir(os.path.dirname(self.path))
 
     def abort(self) -> None:
+        """Remove the temp file (while still holding its lock) and close it."""
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+        self._close()
+
+    def _close(self) -> None:
+        """Close the temp file's descriptor, which lets go of its lock."""
         if self.fd >= 0:
             try:
                 os.close(self.fd)
             except OSError:
                 pass
             self.fd = -1
-        try:
-            os.unlink(self.tmp)
-        except FileNotFoundError:
-            pass
+
+
+def _take_attributes(fd: int, path: str) -> None:
+    """Give the new file (``fd``) what the file it replaces at ``path`` has: its permission bits
+    (rwx of owner, group, others; not setuid, setgid or sticky), its owner and group where this
+    process may set them (root; or the group alone, for a member of it), and its extended
+    attributes, POSIX ACLs among them, each where the platform, the filesystem and this
+    process's rights allow (best effort: one that cannot be set is left out). Nothing when no
+    regular file is there: the new file then has the umask's mode, as any new file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        return
+    mine = os.fstat(fd)
+    if (mine.st_uid, mine.st_gid) != (st.st_uid, st.st_gid):
+        for uid in (st.st_uid, -1):
+            try:
+                os.fchown(fd, uid, st.st_gid)
+                break
+            except OSError:
+                continue
+    os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o777)
+    if not hasattr(os, "listxattr"):
+        return
+    try:
+        names = os.listxattr(path)
+    except OSError:
+        return
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.setxattr(fd, name, os.getxattr(path, name))
 
 
 def _umask() -> int:
@@ -242,62 +299,104 @@ def _undo_publish(path: str, existed: bool, backup: str | None) -> None:
             os.unlink(backup)
 
 
-def commit_all(files: Sequence[AtomicFile]) -> None:
-    """Publish several files as one, in order (an index last).
+def commit_all(files: Sequence[AtomicFile], replaces: Callable[[], Iterable[str]] | None = None) -> None:
+    """Publish several files as one, in order (an index last), under the exclusive lock of
+    their directory (``dirlock``), which readers of an index take shared: a reader sees the set
+    before the commit or after it, and two commits into one directory run one after the other.
 
     Every file is sealed first, so the failures that writing can still have (fsync's among them)
-    come before anything is renamed. Then each is renamed into place; if a rename fails, the
-    ones already done are undone (a new name removed, a replaced file restored from a hard link
-    taken just before). On any failure every temp file is removed and the directory holds what
-    it held before; on success the links go and each directory is fsynced once.
+    come before anything is renamed. Then, with the lock held, ``replaces()`` names the files of
+    an earlier version that the new set replaces without overwriting them; each file is renamed
+    into place, and then each of those is moved aside. If a rename fails, the ones already done
+    are undone (a new name removed, a replaced or moved file restored from a hard link or the
+    name it was moved to). On any failure every temp file is removed and the directory holds
+    what it held before; on success the links and the moved files go and each directory is
+    fsynced once.
     """
     published: list[tuple[str, bool, str | None]] = []
-    try:
+    directories = sorted({os.path.dirname(f.path) for f in files})
+    with contextlib.ExitStack() as held:
+        try:
+            for f in files:
+                f.seal()
+            for directory in directories:
+                held.enter_context(dirlock.locked(directory))
+            ours = {f.path for f in files}
+            earlier = [p for p in (replaces() if replaces is not None else ()) if p not in ours]
+            for f in files:
+                existed, backup = _keep_old(f.path)
+                published.append((f.path, existed, backup))
+                os.replace(f.tmp, f.path)
+            for path in earlier:
+                aside = _temp_name(path)
+                try:
+                    os.rename(path, aside)
+                except FileNotFoundError:
+                    continue
+                published.append((path, True, aside))
+        except BaseException:
+            for path, existed, backup in reversed(published):
+                _undo_publish(path, existed, backup)
+            for f in files:
+                f.abort()
+            raise
         for f in files:
-            f.seal()
-        for f in files:
-            existed, backup = _keep_old(f.path)
-            published.append((f.path, existed, backup))
-            os.replace(f.tmp, f.path)
-    except BaseException:
-        for path, existed, backup in reversed(published):
-            _undo_publish(path, existed, backup)
-        for f in files:
-            f.abort()
-        raise
-    for _, _, backup in published:
-        if backup is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(backup)
-    for directory in dict.fromkeys(os.path.dirname(f.path) for f in files if f.fsync):
-        _fsync_dir(directory)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+            f._close()
+        for _, _, backup in published:
+            if backup is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(backup)
+        for directory in dict.fromkeys(os.path.dirname(f.path) for f in files if f.fsync):
+            _fsync_dir(directory)
 
 
 def clean_stale_temps(directory: str | os.PathLike) -> list[str]:
-    """Remove temp files left in ``directory`` by saves whose process no longer exists."""
+    """Remove the temp files in ``directory`` that no save is writing: those whose lock (a writer
+    holds an exclusive ``flock`` on its temp file from its creation to its commit or abort) can
+    be taken at once. A temp that is still empty and younger than ``FRESH_SECONDS`` is kept:
+    its writer may be between creating and locking it. Runs under the directory's shared lock,
+    so it never sees a commit's links to the files it replaces. Returns the paths removed."""
+    directory = os.fspath(directory)
     removed = []
-    for name in os.listdir(directory):
-        if TEMP_MARK not in name or not name.startswith("."):
-            continue
-        try:
-            pid = int(name.rsplit(TEMP_MARK, 1)[1].split(".")[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _pid_alive(pid):
-            full = os.path.join(directory, name)
-            try:
-                os.unlink(full)
-                removed.append(full)
-            except FileNotFoundError:
-                pass
+    with dirlock.locked(directory, shared=True):
+        for name in sorted(os.listdir(directory)):
+            if TEMP_MARK in name and name.startswith("."):
+                full = os.path.join(directory, name)
+                if _remove_if_unlocked(full):
+                    removed.append(full)
     return removed
+
+
+def _remove_if_unlocked(path: str) -> bool:
+    """Unlink the regular file ``path`` if its lock can be taken without waiting (and it is not
+    a fresh, empty one), holding that lock while it unlinks; whether it did."""
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)   # never a FIFO's open that waits
+    try:
+        fd = os.open(path, os.O_RDWR | flags)
+    except PermissionError:
+        try:
+            fd = os.open(path, os.O_RDONLY | flags)
+        except OSError:
+            return False
+    except OSError:   # gone already, a symlink, a directory
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:   # a live writer holds it (or the filesystem cannot say): keep it
+            return False
+        if st.st_size == 0 and time.time() - st.st_mtime < FRESH_SECONDS:
+            return False
+        try:
+            now = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)

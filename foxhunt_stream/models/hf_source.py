@@ -12,8 +12,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SAFETENSORS_FILE = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
+from ..format.shards import INDEX_NAME, SINGLE_NAME
+
+SAFETENSORS_FILE = SINGLE_NAME
+SAFETENSORS_INDEX = INDEX_NAME
 CONFIG_FILE = "config.json"
 ADAPTER_FILE = "adapter_config.json"
 
@@ -47,12 +49,10 @@ class CheckpointSource:
 
 
 def directory_weights(directory: str) -> str | None:
-    """The weights transformers loads from a local directory: the single file, else the index."""
-    for name in (SAFETENSORS_FILE, SAFETENSORS_INDEX):
-        path = os.path.join(directory, name)
-        if os.path.isfile(path):
-            return path
-    return None
+    """The weights transformers loads from a local directory: the single file, else the index,
+    by the rule every load of a directory follows (``io.checkpoint.directory_weights``)."""
+    from ..io.checkpoint import directory_weights as rule   # the header parser's imports wait for the load
+    return rule(directory)
 
 
 def resolve(path: str | os.PathLike) -> CheckpointSource:

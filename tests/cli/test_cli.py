@@ -296,7 +296,10 @@ def test_reshard_round_trip(sharded, tmp_path, tensors):
         assert size <= 4000 or len(entries) == 1
     # Byte-identical tensors, same dtypes and shapes.
     assert all_tensor_bytes(out) == all_tensor_bytes(sharded)
-    assert raw_header(out / files[0])["__metadata__"] == {"format": "pt"}
+    # The source's metadata, and one save id in every shard and the index.
+    save = index["metadata"]["foxhunt.save"]
+    assert len(save) == 32 and int(save, 16) >= 0
+    assert all(raw_header(out / f)["__metadata__"] == {"format": "pt", "foxhunt.save": save} for f in files)
 
 
 def test_reshard_to_one_file_equals_the_reference_serializer(sharded, tmp_path, tensors):
@@ -327,6 +330,13 @@ def test_reshard_with_checksums(ckpt, tmp_path, tensors):
     r = run("verify", str(out), "--require-checksums")
     assert r.returncode == 0, r.stderr
     assert f"{len(tensors)} of {len(tensors)} tensors match their crc32c digests" in r.stdout
+
+
+def test_reshard_refuses_an_output_named_like_a_file(sharded, tmp_path):
+    r = run("reshard", str(sharded), str(tmp_path / "out.safetensors"), "--max-shard-size", "4kB")
+    assert r.returncode == 1
+    assert "out.safetensors: a name ending in .safetensors" in r.stderr and "directory of shards" in r.stderr
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_reshard_refuses_to_overwrite(sharded, ckpt, tmp_path):

@@ -8,6 +8,7 @@ descriptor leaked, no temp file left, the old checkpoint intact, and the next lo
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import signal
 import subprocess
@@ -299,21 +300,28 @@ def test_killed_save_leaves_temps_that_loads_ignore_and_clean_removes(tmp_path, 
         assert not name.endswith(".json")
     assert {f: (tmp_path / f).read_bytes() for f in old} == old    # the old files are untouched
     assert_equal(fs.load_file(tmp_path), model())                   # a directory load ignores temps
-    # a temp of a live process (this one, and a running child) is never removed
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # a temp whose writer holds its lock (this process, or another one) is never removed; an
+    # unlocked one is, whatever pid its name carries (pids mean nothing across PID namespaces)
+    mine = tmp_path / f".x.safetensors{sink.TEMP_MARK}{os.getpid()}.abcd1234"
+    theirs = tmp_path / f".y.safetensors{sink.TEMP_MARK}999999.abcd1234"
+    unlocked = tmp_path / f".z.safetensors{sink.TEMP_MARK}{os.getpid()}.abcd1234"
+    for p in (mine, theirs, unlocked):
+        p.write_bytes(b"in progress")
+    live = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'rb+'); "
+                             "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+                             os.fspath(theirs)], stdout=subprocess.PIPE, text=True)
+    fd = os.open(mine, os.O_RDWR)
     try:
-        mine = tmp_path / f".x.safetensors{sink.TEMP_MARK}{os.getpid()}.abcd1234"
-        theirs = tmp_path / f".y.safetensors{sink.TEMP_MARK}{live.pid}.abcd1234"
-        mine.write_bytes(b"in progress")
-        theirs.write_bytes(b"in progress")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert live.stdout.readline().strip() == "locked"
         removed = fs.clean_stale_temps(tmp_path)
-        assert sorted(os.path.basename(r) for r in removed) == temps
+        assert sorted(os.path.basename(r) for r in removed) == sorted(temps + [unlocked.name])
         assert sorted(os.listdir(tmp_path)) == sorted(list(old) + [mine.name, theirs.name])
     finally:
+        os.close(fd)
         live.kill()
         live.wait()
-    mine.unlink()
-    assert fs.clean_stale_temps(tmp_path) == [os.fspath(theirs)]   # its process is gone now
+    assert sorted(fs.clean_stale_temps(tmp_path)) == sorted([os.fspath(mine), os.fspath(theirs)])   # let go
     assert snapshot(tmp_path) == old
 
 

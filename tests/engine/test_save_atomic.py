@@ -325,3 +325,186 @@ def test_reshard_failing_midway_leaves_no_output(tmp_path, monkeypatch):
     assert len(written) == 6 and written[-1].endswith("model.safetensors.index.json")
     got = fs.load_file(existing)
     assert all((got[k] == v).all() for k, v in _model(3).items())
+
+
+# ---------------------------------------------------------------- a re-save replaces what a load would take
+
+def _big(value: int) -> dict[str, np.ndarray]:
+    return {f"w{i}": np.full(100_000, value * 100 + i, np.float32) for i in range(8)}   # 400 kB each, 3.2 MB
+
+
+def _holds(got, value) -> None:
+    assert sorted(got) == sorted(_big(value)) and all((np.asarray(got[k]) == v).all() for k, v in _big(value).items())
+
+
+def test_resaving_a_sharded_directory_as_one_file_removes_the_old_index_and_shards(tmp_path):
+    from foxhunt_stream.io.checkpoint import open_checkpoint
+    d = tmp_path / "ckpt"
+    fs.save_file(_big(1), d, max_shard_size="1MB", fsync=False)
+    assert len(os.listdir(d)) == 5   # 4 shards and the index
+    unrelated = {"config.json": b"{}", "adapter_model.safetensors": b"a",
+                 "model-extra.safetensors": b"b", "model-1-of-2.safetensors": b"c", "notes.txt": b"d"}
+    for name, data in unrelated.items():
+        (d / name).write_bytes(data)
+    fs.save_file(_big(2), d, max_shard_size="5GB", fsync=False)
+    assert sorted(os.listdir(d)) == sorted(["model.safetensors", *unrelated])
+    assert all((d / n).read_bytes() == data for n, data in unrelated.items())
+    _holds(fs.load_file(d), 2)
+    with fs.safe_open(d, framework="numpy") as f:
+        _holds({k: f.get_tensor(k) for k in f.keys()}, 2)
+    store = {k: np.zeros_like(v) for k, v in _big(2).items()}
+    fs.load_into(store, d)
+    _holds(store, 2)
+    assert open_checkpoint(d).paths == [os.path.join(d, "model.safetensors")]   # what inspect reads
+
+
+@pytest.mark.parametrize("second", ["one file", "fewer shards", "more shards"])
+def test_resaving_a_directory_leaves_only_the_new_checkpoint(tmp_path, second):
+    d = tmp_path / "ckpt"
+    first_limit = "5GB" if second != "one file" else "1MB"
+    fs.save_file(_big(1), d, max_shard_size="1MB" if second == "fewer shards" else first_limit, fsync=False)
+    from foxhunt_stream.engine.saver import save_sharded
+    limit = {"one file": "5GB", "fewer shards": "2MB", "more shards": "1MB"}[second]
+    written = save_sharded([(k, v.nbytes) for k, v in _big(2).items()],
+                           lambda names: {n: _big(2)[n] for n in names}, d, limit, fsync=False)
+    assert sorted(os.listdir(d)) == sorted(os.path.basename(p) for p in written)
+    _holds(fs.load_file(d), 2)
+
+
+def test_a_sharded_save_removes_the_files_an_earlier_index_named(tmp_path):
+    """An index written by someone else, with shard names of its own: they are part of the
+    checkpoint a load would take, so they go; a file no index names stays."""
+    import json
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    stn.save_file({"a": np.ones(3, np.float32)}, str(d / "weights-a.safetensors"))
+    stn.save_file({"b": np.ones(3, np.float32)}, str(d / "weights-b.safetensors"))
+    stn.save_file({"c": np.ones(3, np.float32)}, str(d / "other.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a": "weights-a.safetensors", "b": "./weights-b.safetensors",
+                                        "x": "../outside.safetensors"}}))
+    (tmp_path / "outside.safetensors").write_bytes(b"kept")
+    fs.save_file(_big(3), d, max_shard_size="1MB", fsync=False)
+    names = sorted(os.listdir(d))
+    assert "weights-a.safetensors" not in names and "weights-b.safetensors" not in names
+    assert "other.safetensors" in names and (tmp_path / "outside.safetensors").read_bytes() == b"kept"
+    _holds(fs.load_file(d), 3)
+
+
+def test_a_failed_resave_keeps_the_old_files(tmp_path, monkeypatch):
+    """Moving an earlier save's file aside is part of the commit: if it fails, the renames
+    already done are undone and the directory is as it was."""
+    from foxhunt_stream.io import sink
+    d = tmp_path / "ckpt"
+    fs.save_file(_big(1), d, max_shard_size="1MB", fsync=False)
+    old = _snapshot(d)
+    real = os.rename
+
+    def rename(a, b):
+        if os.path.basename(os.fspath(a)) == "model-00004-of-00004.safetensors":
+            raise OSError(13, "injected: cannot move")
+        return real(a, b)
+    monkeypatch.setattr(sink.os, "rename", rename)
+    with pytest.raises(OSError, match="injected"):
+        fs.save_file(_big(2), d, max_shard_size="5GB", fsync=False)
+    monkeypatch.undo()
+    assert _snapshot(d) == old
+    _holds(fs.load_file(d), 1)
+
+
+# ---------------------------------------------------------------- what a replaced file keeps
+
+def test_a_save_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    path = tmp_path / "model.safetensors"
+    fs.save_file(_model(1), path)
+    os.chmod(path, 0o600)
+    fs.save_file(_model(2), path)
+    assert os.stat(path).st_mode & 0o7777 == 0o600
+    os.chmod(path, 0o4751)   # setuid is not carried over: a weights file is never run
+    fs.save_file(_model(3), path)
+    assert os.stat(path).st_mode & 0o7777 == 0o751
+    new = tmp_path / "new.safetensors"
+    fs.save_file(_model(1), new)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(new).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_each_shard_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    fs.save_file(_model(1), tmp_path, max_shard_size=8000, fsync=False)
+    modes = {"model-00001-of-00003.safetensors": 0o600, "model-00002-of-00003.safetensors": 0o640,
+             "model-00003-of-00003.safetensors": 0o604, "model.safetensors.index.json": 0o400}
+    for name, mode in modes.items():
+        os.chmod(tmp_path / name, mode)
+    fs.save_file(_model(2), tmp_path, max_shard_size=8000, fsync=False)
+    assert {n: os.stat(tmp_path / n).st_mode & 0o7777 for n in modes} == modes
+
+
+@pytest.mark.skipif(not hasattr(os, "setxattr"), reason="no extended attributes on this platform")
+def test_a_save_keeps_the_owner_and_extended_attributes(tmp_path):
+    path = tmp_path / "model.safetensors"
+    fs.save_file(_model(1), path)
+    try:
+        os.setxattr(path, "user.origin", b"hub")
+    except OSError as e:
+        pytest.skip(f"no user xattrs here: {e}")
+    acl = None
+    try:   # a POSIX ACL giving uid 4321 read access (the kernel's xattr form: version 2, then entries)
+        import struct
+        entries = [(0x01, 6, 0xFFFFFFFF), (0x02, 4, 4321), (0x04, 4, 0xFFFFFFFF), (0x10, 4, 0xFFFFFFFF),
+                   (0x20, 0, 0xFFFFFFFF)]
+        acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+        os.setxattr(path, "system.posix_acl_access", acl)
+    except OSError:
+        acl = None
+    owner = None
+    if os.geteuid() == 0:
+        owner = (4321, 8765)
+        os.chown(path, *owner)
+    fs.save_file(_model(2), path)
+    assert os.getxattr(path, "user.origin") == b"hub"
+    if acl is not None:
+        assert os.getxattr(path, "system.posix_acl_access") == acl
+    if owner is not None:
+        st = os.stat(path)
+        assert (st.st_uid, st.st_gid) == owner
+
+
+# ---------------------------------------------------------------- paths refused before anything is written
+
+def test_save_file_onto_a_directory_is_refused_before_writing(tmp_path, monkeypatch):
+    from foxhunt_stream.io import sink
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "keep.txt").write_text("x")
+    created = []
+    monkeypatch.setattr(sink, "fault_hook", lambda f, offset, n: created.append(f.path))
+    with pytest.raises(IsADirectoryError) as e:
+        fs.save_file(_model(1), d)
+    assert e.value.filename == os.fspath(d) and "max_shard_size" in str(e.value)
+    assert TEMP_MARK not in str(e.value)
+    assert created == [] and os.listdir(d) == ["keep.txt"] and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+@pytest.mark.parametrize("how", ["save_file", "save_sharded", "reshard", "existing directory"])
+def test_a_sharded_save_refuses_a_path_named_like_a_file(tmp_path, how):
+    from foxhunt_stream.engine.reshard import reshard, save_sharded
+    target = tmp_path / "x.safetensors"
+    with pytest.raises(ValueError, match="ending in .safetensors") as e:
+        if how == "save_file":
+            fs.save_file(_model(1), target, max_shard_size=8000)
+        elif how == "save_sharded":
+            target.mkdir()
+            save_sharded([("w0", 4000)], lambda names: {"w0": _model(1)["w0"]}, target, 8000)
+        elif how == "reshard":
+            src = tmp_path / "src.safetensors"
+            fs.save_file(_model(1), src)
+            reshard(src, target, 8000)
+        else:
+            target.mkdir()
+            fs.save_file(_model(1), str(target) + "/", max_shard_size=8000)
+    assert os.fspath(target) in str(e.value) and "directory of shards" in str(e.value)
+    if how in ("save_file", "reshard"):
+        assert not target.exists()
+    else:
+        assert os.listdir(target) == []

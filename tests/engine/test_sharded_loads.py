@@ -536,3 +536,79 @@ def test_a_list_naming_one_file_twice_is_refused(ckpt):
     p = os.path.join(d, "model-00001-of-00003.safetensors")
     with pytest.raises(ValueError, match="more than once"):
         fs.load_file([p, os.path.join(d, ".", "model-00001-of-00003.safetensors")])
+
+
+# ---------------------------------------------------------------- which files a directory load takes
+
+def test_every_entry_point_prefers_model_safetensors_over_an_index(ckpt):
+    """transformers' order, for every entry point: model.safetensors, else the index, else every
+    *.safetensors file."""
+    from foxhunt_stream.io.checkpoint import open_checkpoint
+    from foxhunt_stream.models import hf_source
+    d, t = ckpt
+    single = {"only": np.arange(5, dtype=np.float32)}
+    stn.save_file(single, os.path.join(d, "model.safetensors"))
+    assert_same(fs.load_file(d), single)
+    with fs.safe_open(d, framework="numpy") as f:
+        assert f.keys() == ["only"]
+    store = {"only": np.zeros(5, np.float32)}
+    fs.load_into(store, d)
+    assert_same(store, single)
+    assert open_checkpoint(d).paths == [os.path.join(d, "model.safetensors")]
+    assert hf_source.resolve(d).weights == os.path.join(d, "model.safetensors")
+    os.remove(os.path.join(d, "model.safetensors"))
+    assert_same(fs.load_file(d), t)
+    assert hf_source.resolve(d).weights == os.path.join(d, INDEX_NAME)
+
+
+def test_a_directory_entry_that_is_not_a_regular_file_is_refused_unopened(tmp_path):
+    """A FIFO named *.safetensors would block a reader forever: it is named, never opened."""
+    import subprocess
+    import sys
+    d = tmp_path / "d"
+    d.mkdir()
+    stn.save_file({"a": np.ones(3, np.float32)}, str(d / "a.safetensors"))
+    os.mkfifo(d / "b.safetensors")
+    program = ("import sys, foxhunt_stream as fs\n"
+               "try:\n    fs.load_file(sys.argv[1])\n"
+               "except fs.FormatError as e:\n    print(e.rule, e.path)\n")
+    r = subprocess.run([sys.executable, "-c", program, str(d)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(fs.__file__))})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["not-a-regular-file", str(d / "b.safetensors")]
+    os.remove(d / "b.safetensors")
+    os.mkdir(d / "c.safetensors")
+    with pytest.raises(fs.FormatError, match="a directory") as e:
+        fs.load_file(d)
+    assert e.value.rule == "not-a-regular-file" and e.value.path == str(d / "c.safetensors")
+
+
+@pytest.mark.parametrize("name", ["link.safetensors", "model.safetensors", INDEX_NAME])
+def test_a_directory_listing_is_confined_as_an_index_is(tmp_path, name):
+    t = make_tensors()
+    outside = write_checkpoint(str(tmp_path / "outside"), t)
+    d = tmp_path / "d"
+    d.mkdir()
+    stn.save_file({"a": np.ones(3, np.float32)}, str(d / "a.safetensors"))
+    target = INDEX_NAME if name == INDEX_NAME else "model-00001-of-00003.safetensors"
+    os.symlink(os.path.join(outside, target), d / name)
+    with pytest.raises(fs.FormatError, match="resolves outside the checkpoint directory") as e:
+        fs.load_file(d)
+    assert e.value.rule == "path-escape" and e.value.path == str(d / name)
+    os.remove(d / name)
+    os.rename(d / "a.safetensors", d / "a.data")   # a link within the directory is fine
+    os.symlink("a.data", d / "a.safetensors")
+    assert_same(fs.load_file(d), {"a": np.ones(3, np.float32)})
+
+
+def test_a_hub_snapshot_without_an_index_may_link_into_its_blobs(tmp_path):
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    stn.save_file({"a": np.ones(3, np.float32)}, str(repo / "blobs" / "blob0"))
+    os.symlink("../../blobs/blob0", snap / "model.safetensors")
+    assert_same(fs.load_file(str(snap)), {"a": np.ones(3, np.float32)})
+    os.remove(snap / "model.safetensors")
+    os.symlink("../../blobs/blob0", snap / "weights.safetensors")
+    assert_same(fs.load_file(str(snap)), {"a": np.ones(3, np.float32)})

@@ -50,3 +50,45 @@ def test_commit_all_rolls_back_the_renames_done(tmp_path, monkeypatch, failing):
     with pytest.raises(OSError, match="injected"):
         sink.commit_all(files)
     assert _listing(tmp_path) == before   # new names gone, replaced files back, no temp or link left
+
+
+def _try_lock(directory, how) -> bool:
+    """Whether the directory's lock can be had at once in mode ``how``."""
+    import fcntl
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_commit_all_holds_the_directory_lock_through_renames_and_removals(tmp_path, monkeypatch):
+    """Readers of an index take the directory's lock shared: they cannot while the commit runs."""
+    import fcntl
+    (tmp_path / "old").write_bytes(b"an earlier version's file")
+    seen = []
+    real_replace, real_rename = os.replace, os.rename
+
+    def replace(a, b):
+        seen.append(("replace", os.path.basename(b), _try_lock(tmp_path, fcntl.LOCK_SH)))
+        return real_replace(a, b)
+
+    def rename(a, b):
+        seen.append(("rename", os.path.basename(a), _try_lock(tmp_path, fcntl.LOCK_SH)))
+        return real_rename(a, b)
+
+    def replaces():
+        seen.append(("replaces", None, _try_lock(tmp_path, fcntl.LOCK_SH)))
+        return [os.fspath(tmp_path / "old"), os.fspath(tmp_path / "a")]   # its own files are never removed
+    files = _files(tmp_path, {"a": b"new a", "index": b"{}"})
+    monkeypatch.setattr(sink.os, "replace", replace)
+    monkeypatch.setattr(sink.os, "rename", rename)
+    sink.commit_all(files, replaces=replaces)
+    assert [(op, name) for op, name, _ in seen] == [("replaces", None), ("replace", "a"), ("replace", "index"),
+                                                   ("rename", "old")]
+    assert not any(free for _, _, free in seen)
+    assert _try_lock(tmp_path, fcntl.LOCK_EX)   # let go after the commit
+    assert _listing(tmp_path) == {"a": b"new a", "index": b"{}"}

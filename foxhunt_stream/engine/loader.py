@@ -10,6 +10,7 @@ the public ``fs.load_file`` (``api``) adds loading across a torch.distributed gr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from typing import Any, Mapping, MutableMapping, NamedTuple, Sequence
@@ -87,12 +88,24 @@ def prepare(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, device
             order = "selection"   # tensors are checked as they land, in plan order
     if policies is None:
         strided = {sel.file for sel in sels if isinstance(sel.index, tuple) and len(sel.index) > 1}
-        policies = read_policies(ck.paths, span_bytes(sels, len(ck.paths)), strided,
-                                 [h.file_size for h in ck.headers], s, streams=order == "whole")
+        with _gone_is_replaced():
+            policies = read_policies(ck.paths, span_bytes(sels, len(ck.paths)), strided,
+                                     [h.file_size for h in ck.headers], s, streams=order == "whole")
     gpu = any(dev.is_cuda for dev in per)
     plan = plan_load(sels, s.chunk_bytes, verifier.granule if verifier is not None else 1, files=policies or (),
                      read_bytes=s.read_cut if gpu else None, order=order, devices=per)
     return Prepared(plan, s, list(policies or ()), verifier)
+
+
+@contextlib.contextmanager
+def _gone_is_replaced():
+    """A file whose header was read and that is gone now was replaced (a re-save into its directory
+    with another layout removed it): FormatError ``file-replaced``, which starts the load over."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise FormatError("file-replaced", "the file was removed after its header was read (a new save "
+                          "replaced the checkpoint?); load it again", path=e.filename) from None
 
 
 def open_sources(ck: Checkpoint, policies: Sequence[ReadPolicy]) -> list[FileSource]:
@@ -100,13 +113,14 @@ def open_sources(ck: Checkpoint, policies: Sequence[ReadPolicy]) -> list[FileSou
     header we hold (FormatError ``file-replaced`` otherwise)."""
     out: list[FileSource] = []
     try:
-        for i, (path, policy) in enumerate(zip(ck.paths, policies)):
-            pagecache.loading(path)   # a prefetch holding back for the imports: the load wants these bytes now
-            src = policy.open(path)
-            out.append(src)
-            if ck.identities:   # the file opened must be the one whose header we hold
-                src.identity = ck.identities[i]
-                src.check_unchanged("file-replaced")
+        with _gone_is_replaced():
+            for i, (path, policy) in enumerate(zip(ck.paths, policies)):
+                pagecache.loading(path)   # a prefetch holding back for the imports: the load wants these bytes now
+                src = policy.open(path)
+                out.append(src)
+                if ck.identities:   # the file opened must be the one whose header we hold
+                    src.identity = ck.identities[i]
+                    src.check_unchanged("file-replaced")
     except BaseException:
         close_all(out)
         raise

@@ -207,3 +207,22 @@ def test_one_file_saves_carry_no_save_id(tmp_path):
     ref = (tmp_path / "ref.safetensors").read_bytes()
     assert (tmp_path / "one.safetensors").read_bytes() == ref
     assert (tmp_path / "d" / "model.safetensors").read_bytes() == ref
+
+
+def test_a_shard_removed_by_a_resave_after_the_headers_were_read_starts_the_load_over(tmp_path, monkeypatch):
+    """A re-save with fewer shards removes shards an earlier index named: a load that read the old
+    headers just before finds one gone when it opens the files, and starts over on the new save."""
+    from foxhunt_stream.engine import loader
+    d = tmp_path / "ckpt"
+    fs.save_file(model(1), d, max_shard_size=SHARD, fsync=False)
+    assert len(list(d.glob("model-*.safetensors"))) == 4
+    real, calls = loader.prepare, []
+
+    def resave_first(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:   # between this load's header reads and its opening of the files
+            fs.save_file(model(2), d, max_shard_size=2 * SHARD, fsync=False)   # 2 shards: two removed
+        return real(*a, **k)
+    monkeypatch.setattr(loader, "prepare", resave_first)
+    out = fs.load_file(d)
+    assert saves_in(out) == {2} and len(calls) == 2

@@ -35,6 +35,7 @@ from ..cuda import runtime as cudart
 from ..cuda.devices import CPU, Device, check_device, cupy, parse_device
 from ..io.checkpoint import Checkpoint, open_checkpoint
 from . import ceilings as ce
+from . import fresh
 from . import peers as pe
 from .text import describe_error, fmt_bytes
 
@@ -233,21 +234,44 @@ def _new_report(ck: Checkpoint, source, description: str, dev: Device, device_no
 
 def _loads(report: Report, ck: Checkpoint, source, dev: Device, peers: bool, reps: int, before, chunk: int,
            say) -> None:
+    """Every load in a new process (``fresh``: the clock from before the loader's import to the
+    tensors on the device), as a server and each tensor-parallel rank meet it: foxhunt_stream's
+    first load, and a second in the same process beside it; then safetensors and, with ``peers``,
+    the peer loaders installed here, the same way. Cases take turns within each rep."""
     ceiling = _load_ceilings(report, ck, dev, chunk, reps, before, say)
-    found = pe.loaders(ck.paths, source, dev, peers)
-    report.notes += found.missing
     nbytes = report.checkpoint["bytes"]
-    for loader in found.loaders:
-        say(f"measuring {loader.name} ...")
-        row = Row("load", loader.name, nbytes, ceiling=ceiling, note=loader.note)
-        try:
-            row.seconds = ce.measure(loader.load, reps, before, warmup=0 if before else 1)
-        except Exception as e:   # a peer that fails here is reported, not fatal
-            if loader.name.startswith("foxhunt_stream"):
-                raise
-            row.note = f"failed: {describe_error(e)}"[:120]
-        _free_gpu(dev)
-        report.rows.append(row)
+    cases = ["foxhunt", "safetensors"] + ([c for c in fresh.PEERS if c != "safetensors"] if peers and dev.is_cuda else [])
+    absent = [c for c in cases[1:] if pe.optional(c) is None]   # the children see what this process sees
+    for c in absent:
+        report.notes.append(f"safetensors is not installed: its comparison rows are left out ({pe.SAFETENSORS_HINT})"
+                            if c == "safetensors" else f"{c} is not installed")
+    cases = [c for c in cases if c not in absent]
+    runs: dict[str, list[dict]] = {c: [] for c in cases}
+    for r in range(reps):
+        for case in cases[r % len(cases):] + cases[:r % len(cases)]:
+            if before is not None:
+                before()
+            say(f"{case}, rep {r + 1} of {reps}, in a new process ...")
+            runs[case].append(fresh.run(case, os.fspath(source), str(dev), list(ck.paths)))
+    first = [x["seconds"] for x in runs["foxhunt"] if "seconds" in x]
+    if not first:
+        raise RuntimeError(f"foxhunt_stream's load failed: {runs['foxhunt'][0].get('error', '')}")
+    report.rows.append(Row("load", "foxhunt_stream load_file, first load in a new process", nbytes, first,
+                           ceiling=ceiling, note="the figure that counts: a server loads once per process"))
+    report.rows.append(Row("load", "foxhunt_stream load_file, second load in that process", nbytes,
+                           [x["second"] for x in runs["foxhunt"] if "second" in x], ceiling=ceiling))
+    for case in cases[1:]:
+        done = [x for x in runs[case] if "seconds" in x]
+        skipped = next((x.get("skipped") or x.get("error") for x in runs[case] if "seconds" not in x), None)
+        if not done:
+            report.notes.append(f"{case} left out: {skipped}")
+            continue
+        version = next((x["version"] for x in done if x.get("version")), "")
+        name = {"safetensors": "safetensors.torch load_file" if dev.is_cuda else "safetensors.numpy load_file",
+                "instanttensor": "InstantTensor, buffered backend", "kvikio": "kvikio, raw file bytes",
+                "fastsafetensors": "fastsafetensors, no GDS"}[case]
+        report.rows.append(Row("load", f"{name} {version}".strip(), done[0].get("bytes", nbytes),
+                               [x["seconds"] for x in done], ceiling=ceiling, note="first load in a new process"))
 
 
 def _load_ceilings(report: Report, ck: Checkpoint, dev: Device, chunk: int, reps: int, before, say) -> str:

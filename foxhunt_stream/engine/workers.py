@@ -11,6 +11,7 @@ with no parked threads (they do not exist there).
 
 from __future__ import annotations
 
+import _thread
 import logging
 import os
 import threading
@@ -63,10 +64,11 @@ def run(fn: Callable[[], None], name: str) -> Task:
     task = Task(fn)
     with _lock:
         slot = _parked.pop() if _parked else None
-    if slot is None:
+    if slot is None:   # a new thread, whose start the caller does not wait for (Thread.start waits for
+        # the new thread's bootstrap under the GIL: a process's first load started 16 in turn)
         slot = _Parked()
         slot.task, slot.name = task, name
-        threading.Thread(target=_serve, args=(slot,), name=name, daemon=True).start()
+        _thread.start_new_thread(_serve, (slot,))
     else:
         slot.task, slot.name = task, name
         slot.wake.release()

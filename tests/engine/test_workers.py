@@ -74,9 +74,11 @@ def test_a_task_waiting_on_a_later_task_gets_its_own_thread():
 def test_an_idle_worker_exits_after_its_keep_time(monkeypatch):
     monkeypatch.setattr(workers, "KEEP_IDLE_S", 0.05)
     seen = []
-    workers.run(lambda: seen.append(threading.current_thread()), "foxhunt-test-exit").join(10)
-    seen[0].join(10)
-    assert not seen[0].is_alive()
+    workers.run(lambda: seen.append(threading.get_native_id()), "foxhunt-test-exit").join(10)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/self/task/{seen[0]}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not os.path.exists(f"/proc/self/task/{seen[0]}")
 
 
 def test_an_escaping_error_leaves_the_worker_serving(caplog):

@@ -131,7 +131,7 @@ class CupyFramework:
         return type(x).__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "device")
 
     def buffer(self, arr) -> Buffer:
-        if isinstance(arr, np.ndarray):
+        if not self.owns(arr):   # a host array
             return NumpyFramework().buffer(arr)
         if not arr.flags.c_contiguous:
             raise ValueError("destination array must be C-contiguous")
@@ -261,7 +261,7 @@ def get_framework(framework: str | None, device: Device):
 
 def framework_of(x):
     """The framework owning an array (numpy, cupy or torch)."""
-    for cls in (NumpyFramework, TorchFramework, CupyFramework):
+    for cls in (TorchFramework, CupyFramework, NumpyFramework):
         f = cls()
         if f.owns(x):
             return f

@@ -191,6 +191,14 @@ class LoadInFlight:
     def cancel(self) -> None:
         self.job.cancel()
 
+    def abandon(self) -> None:
+        """Stop the load and drop what it made, whatever became of it: the caller takes nothing
+        more of it (a ``tensors()`` iterator stopped early, or failed after every read was done)."""
+        self.job.cancel()
+        with contextlib.suppress(BaseException):
+            self.job.wait()
+        self._stop_everything()
+
     def _stop_everything(self) -> None:
         """After a failure: no allocation, copy or check still running, no array kept alive."""
         self._join_allocator()

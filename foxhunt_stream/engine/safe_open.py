@@ -207,11 +207,7 @@ class safe_open:
             finished = True
         finally:
             if not finished:   # stopped early, or a tensor failed its check after the reads were done:
-                load.cancel()   # the rest is dropped, the hashing streams drained, memory released
-                try:
-                    load.finish()
-                except BaseException:
-                    pass
+                load.abandon()   # the rest is dropped, the hashing streams drained, memory released
 
 
 class safe_open_handle(safe_open):

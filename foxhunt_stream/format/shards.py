@@ -20,6 +20,9 @@ from typing import Mapping, Sequence
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 SAVE_KEY = "foxhunt.save"
+CHECKSUMS_KEY = "foxhunt.checksums"   # the digests of one file's tensors (integrity.checksums)
+# metadata keys that describe one file, not the model: a sharded checkpoint's merged metadata leaves them out
+PER_FILE_KEYS = frozenset((SAVE_KEY, CHECKSUMS_KEY))
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 

@@ -29,8 +29,9 @@ import numpy as np
 
 from ..errors import FormatError
 from ..format.header import Header
+from ..format.shards import CHECKSUMS_KEY
 
-METADATA_KEY = "foxhunt.checksums"
+METADATA_KEY = CHECKSUMS_KEY
 FORMAT_VERSION = 1
 ALGORITHMS = ("xxh3-64", "crc32c")
 DEFAULT_BLOCK = 8 << 20    # = the default chunk: verify=True loads keep the default chunking

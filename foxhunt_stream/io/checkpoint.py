@@ -24,7 +24,7 @@ from typing import Callable, Iterable, NamedTuple
 
 from ..errors import FormatError
 from ..format.header import MAX_HEADER_SIZE, N_LEN, Header, TensorInfo, parse_header, read_header_len
-from ..format.shards import INDEX_NAME, SAVE_KEY, SINGLE_NAME
+from ..format.shards import INDEX_NAME, PER_FILE_KEYS, SAVE_KEY, SINGLE_NAME
 from . import dirlock
 from .source import file_identity
 
@@ -76,7 +76,8 @@ class Checkpoint:
 
         A single file: its header's metadata as is. Several files: every shard's metadata and
         the index's ``"metadata"`` object merged (non-string index values such as ``total_size``
-        as JSON text), without the save id of a sharded save (``format.shards.SAVE_KEY``). A key
+        as JSON text), without the keys that describe one file (``format.shards.PER_FILE_KEYS``:
+        the save id of a sharded save, each shard's checksums). A key
         given the same value twice is kept once; a key given two different values is a
         FormatError naming the key and both files, never a silent pick.
         Per-file metadata stays available as ``read_header(path).metadata``.
@@ -90,7 +91,7 @@ class Checkpoint:
         sources.append((self.index_path or "the index", index_meta))
         for path, meta in sources:
             for k, v in meta.items():
-                if k == SAVE_KEY:   # which save wrote each file (checked by assemble), not the model's metadata
+                if k in PER_FILE_KEYS:   # which save wrote the file, its digests: not the model's metadata
                     continue
                 if k in merged and merged[k] != v:
                     raise FormatError("metadata-conflict",

@@ -150,11 +150,58 @@ class PinnedMemoryPointer(bytearray):
         super().__init__(mem.n)
 
 
+class _Pointer:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class _DeviceId:
+    id = 0
+
+
+class ndarray(np.ndarray):
+    """A "device" array: host memory, known to the loader by its address (``.data.ptr``)."""
+
+    @property
+    def data(self):
+        return _Pointer(self.ctypes.data)
+
+    @property
+    def device(self):
+        return _DeviceId()
+
+
+def empty(shape, dtype=np.float32):
+    return np.empty(shape, dtype).view(ndarray)
+
+
+def zeros(shape, dtype=np.float32):
+    return np.zeros(shape, dtype).view(ndarray)
+
+
+def asnumpy(x):
+    return np.asarray(x).view(np.ndarray)
+
+
+class _Memory:
+    class OutOfMemoryError(MemoryError):
+        pass
+
+
+class _CurrentStream:
+    def synchronize(self):
+        pass
+
+
 class _Cuda:
     runtime = _Runtime
+    memory = _Memory
     Device, Stream, Event, PinnedMemory, PinnedMemoryPointer = Device, Stream, Event, PinnedMemory, PinnedMemoryPointer
+
+    @staticmethod
+    def get_current_stream():
+        return _CurrentStream()
 
 
 cuda = _Cuda()
-ndarray = np.ndarray
 __version__ = "fake"

@@ -54,6 +54,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--groups", default="hot,cold,host", help="comma-separated: hot, cold, host")
     ap.add_argument("--safetensors", action="store_true", help="also safetensors.torch in the hot group (slow)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE,...",
+                    help="also foxhunt's cases with these environment variables (e.g. "
+                         "small:FOXHUNT_CHUNK_BYTES=4MiB,FOXHUNT_STAGING_BYTES=128MiB), as CASE@NAME")
     ap.add_argument("--host-file", default=None, help="the 1 GiB F32 file of the host group (written when missing; "
                                                        "default: CKPT/../foxhunt-host-f32.safetensors)")
     args = ap.parse_args(argv)
@@ -75,10 +78,16 @@ def main(argv: list[str]) -> int:
     if "hot" in groups:
         cases = (["ceiling", "foxhunt", "instanttensor", "kvikio", "tp_llama", "tp_rows"] if gpu
                  else ["foxhunt", "tp_llama", "tp_rows"]) + (["safetensors"] if args.safetensors and gpu else [])
+        variants = {}
+        for spec in args.variant:
+            name, _, assigns = spec.partition(":")
+            variants[name] = dict(a.split("=", 1) for a in assigns.split(",") if a)
+            cases += [f"{c}@{name}" for c in ("foxhunt", "tp_llama", "tp_rows")]
         for r in range(args.rounds):
             ce.warm(files)
             for case in rotated(cases, r):
-                record(case, fresh.run(case, args.ckpt, args.device, files))
+                base, _, variant = case.partition("@")
+                record(case, fresh.run(base, args.ckpt, args.device, files, env=variants.get(variant)))
             print(f"hot round {r + 1} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
     if "cold" in groups:
         import numpy as np
@@ -148,6 +157,12 @@ def main(argv: list[str]) -> int:
         for case, label in (("tp_llama", "rank 0 of TP=8, Llama plan"), ("tp_rows", "rank 0 of TP=8, rows plan")):
             t = med(case)
             rows.append((label, f(t, "{:.3f}"), "", "", f"/ full first load {ratio(t, med('foxhunt'))}"))
+        for name in variants:
+            t, t2 = med(f"foxhunt@{name}"), med(f"foxhunt@{name}", "second")
+            rows.append((f"foxhunt_stream with {args.variant[list(variants).index(name)]}", f(t, "{:.3f}"),
+                         f(nbytes / t / GB if t else None), ratio(nbytes / t / GB if t else None, ceiling),
+                         f"second {f(t2, '{:.3f}')} s; TP llama {ratio(med(f'tp_llama@{name}'), t)}, "
+                         f"rows {ratio(med(f'tp_rows@{name}'), t)}"))
         res.table(rows, right={1, 2, 3})
         res.say("", f"one-time cost of the first load (first minus second, medians): {f(one_time, '{:.3f}')} s")
     if "cold" in groups:

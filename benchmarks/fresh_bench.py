@@ -52,6 +52,7 @@ def rotated(cases: list[str], r: int) -> list[str]:
 def main(argv: list[str]) -> int:
     ap = common.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--suite", default="fresh", help="the name of its output files (<suite>.json, <suite>.txt)")
     ap.add_argument("--groups", default="hot,cold,host", help="comma-separated: hot, cold, host")
     ap.add_argument("--safetensors", action="store_true", help="also safetensors.torch in the hot group (slow)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE,...",
@@ -61,7 +62,7 @@ def main(argv: list[str]) -> int:
                                                        "default: CKPT/../foxhunt-host-f32.safetensors)")
     args = ap.parse_args(argv)
     files = common.ensure_checkpoint(args.ckpt, args.size, args.shards)
-    res = common.Results("fresh", args.out)
+    res = common.Results(args.suite, args.out)
     groups = [g for g in args.groups.split(",") if g]
     gpu = args.device != "cpu"
     import foxhunt_stream as fs

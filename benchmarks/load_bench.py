@@ -1,19 +1,11 @@
-"""Hot loads (the checkpoint in the page cache) to a GPU: foxhunt_stream against the hardware's
-ceilings and the peer loaders, a thread sweep, and what verify=True costs.
+"""Hot loads (the checkpoint in the page cache) in one process, to choose the defaults: a thread
+sweep, a chunk-size sweep, and what verify=True costs. (The hot load against its ceiling and the
+peer loaders, each load in a new process as a server meets it, is ``fresh_bench.py``.)
 
-    python benchmarks/load_bench.py CKPT [--out DIR]                         # suite "load"
     python benchmarks/load_bench.py CKPT --threads 8,12,16,24,32 [--out DIR] # suite "threads"
     python benchmarks/load_bench.py CKPT --chunks 8MiB,8MiB/4MiB,4MiB [--out DIR]   # suite "chunks"
     python benchmarks/load_bench.py CKPT --verify [--out DIR]                # suite "verify"
-    python benchmarks/load_bench.py /tmp/ck --size 64MiB --device cpu        # a smoke run on any box
-
-load: in one process, the ceilings (one pinned host -> device copy of 1 GiB; page cache ->
-pinned buffers by preadv with the loader's threads and chunk size), then foxhunt_stream's first
-load in the process and ``--reps`` more (median); then each peer in a fresh process of its own
-(one load checked against the file's bytes, then ``--peer-reps`` timed loads): safetensors, and
-fastsafetensors (no GDS), InstantTensor (O_DIRECT, its default, and buffered), the Run:ai
-streamer where installed; and the time to the first tensor from ``safe_open(...).tensors()``.
-A load's GB/s is tensor bytes / seconds; "x ceiling" divides by the slower of the two ceilings.
+    python benchmarks/load_bench.py /tmp/ck --size 64MiB --device cpu --threads 1,2   # a smoke run on any box
 
 threads: foxhunt_stream's hot load with each thread count, beside the page cache -> pinned read
 with the same threads, in ``--rounds`` interleaved rounds (medians), with the CPU seconds and
@@ -42,31 +34,12 @@ import common  # noqa: F401  (puts the repository on the path)
 from common import GB, Results, ce, median
 
 import foxhunt_stream as fs
-from foxhunt_stream.cli import peers as pe
 from foxhunt_stream.cuda.devices import parse_device
 
-PEERS = ("safetensors",) + pe.PEERS
 
 
 def nbytes_of(files: list[str]) -> int:
     return sum(t.nbytes for p in files for t in fs.read_header(p).tensors)
-
-
-def check_sample(out: dict, files: list[str]) -> None:
-    """One landed tensor equals the file's bytes, read with plain I/O (not with the library)."""
-    import numpy as np
-    hdr = fs.read_header(files[0])
-    t = hdr.tensors[len(hdr.tensors) // 2]
-    with open(files[0], "rb") as f:
-        f.seek(hdr.data_start + t.start)
-        want = f.read(t.nbytes)
-    v = out[t.name]
-    if hasattr(v, "element_size"):   # torch
-        import torch
-        got = v.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-    else:
-        got = np.ascontiguousarray(v).view(np.uint8).tobytes()
-    assert got == want, f"landed bytes of {t.name} differ from the file"
 
 
 def load_ceilings(files: list[str], device: str, threads: int, chunk: int, reps: int) -> dict[str, float]:
@@ -86,77 +59,6 @@ def load_ceilings(files: list[str], device: str, threads: int, chunk: int, reps:
     out[f"page cache -> {where} (preadv, {threads} threads)"] = size / median(
         ce.read_ceiling(files, threads, reps, chunk, slots)) / GB
     return out
-
-
-def suite_load(args, files: list[str], res: Results) -> None:
-    s = fs.settings.merge()
-    nbytes = nbytes_of(files)
-    ce.warm(files)
-    ceilings = load_ceilings(files, args.device, s.threads, s.chunk_bytes, args.reps)
-    bound = min(ceilings.values())
-    fw = common.framework(args.device)
-
-    def load():
-        return fs.load_file(args.ckpt, device=args.device, framework=fw)
-    first = common.timed(load, args.device)
-    out = load()
-    common.synchronize(args.device)
-    check_sample(out, files)
-    del out
-    ours = [common.timed(load, args.device) for _ in range(args.reps)]
-    first_tensor = [time_to_first_tensor(args.ckpt, args.device, fw) for _ in range(args.reps)]
-    rows = [("foxhunt_stream, first load in the process", [first], ""),
-            ("foxhunt_stream load_file", ours,
-             f"defaults: {s.threads} threads, {s.chunk_bytes >> 20} MiB slots, reads of {s.read_cut >> 20} MiB")]
-    for name in peer_names(args.peers):
-        env = dict(os.environ, INSTANTTENSOR_DIRECT_IO="0") if name.endswith("buffered") else None
-        r = common.run_child([__file__, "peer", name, args.ckpt, "--device", args.device,
-                              "--reps", str(args.peer_reps)], timeout=args.peer_timeout, env=env)
-        if "seconds" in r:
-            rows.append((r["name"], r["seconds"], r.get("note", "")))
-        else:
-            res.say(f"left out: {r.get('skipped') or name + ' failed: ' + r.get('error', '')[-600:]}")
-            res.data.setdefault("left_out", {})[name] = r
-    res.say(f"hot load of {nbytes / GB:.2f} GB in {len(files)} files to {args.device} ({fw} tensors); "
-            f"medians of {args.reps} (peers: {args.peer_reps}); x ceiling: against the slower ceiling, "
-            f"{bound:.2f} GB/s", "")
-    table = [("", "GB/s", "x ceiling", "median s", "note")]
-    table += [(f"ceiling: {k}", f"{v:.2f}", "", "", "") for k, v in ceilings.items()]
-    for name, seconds, note in rows:
-        gbps = nbytes / median(seconds) / GB
-        table.append((name, f"{gbps:.2f}", f"{gbps / bound:.2f}", f"{median(seconds):.3f}", note))
-    res.table(table, right={1, 2, 3})
-    res.say("", f"time to the first tensor from fs.safe_open(...).tensors(), the files' headers read first: "
-                f"median {1e3 * median(first_tensor):.1f} ms of {args.reps}")
-    res.data.update(bytes=nbytes, files=len(files), ceilings_GBps=ceilings, first_tensor_s=first_tensor,
-                    loads={name: {"seconds": sec, "note": note} for name, sec, note in rows})
-
-
-def time_to_first_tensor(ckpt: str, device: str, framework: str) -> float:
-    """Seconds from opening the checkpoint to its first tensor landed (then the rest is drained)."""
-    import time
-    common.synchronize(device)
-    t0 = time.perf_counter()
-    with fs.safe_open(ckpt, framework=framework, device=device) as f:
-        tensors = f.tensors()
-        next(tensors)
-        common.synchronize(device)
-        seconds = time.perf_counter() - t0
-        for _ in tensors:
-            pass
-    return seconds
-
-
-def peer_names(spec: str) -> list[str]:
-    if spec == "none":
-        return []
-    if spec == "all":
-        return list(PEERS)
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(PEERS))
-    if unknown:
-        raise SystemExit(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
-    return names
 
 
 def suite_threads(args, files: list[str], res: Results) -> None:
@@ -284,38 +186,10 @@ def suite_verify(args, files: list[str], res: Results) -> None:
     res.data.update(bytes=nbytes, seconds=times)
 
 
-def peer_main(argv: list[str]) -> None:
-    """A child process: one peer loader, a warm-up and ``--reps`` timed loads."""
-    import argparse
-    ap = argparse.ArgumentParser()
-    ap.add_argument("name", choices=PEERS)
-    ap.add_argument("ckpt")
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--reps", type=int, default=3)
-    a = ap.parse_args(argv)
-    files = common.checkpoint_files(a.ckpt)
-    dev = parse_device(a.device)
-    made = pe.safetensors_loader(files, dev) if a.name == "safetensors" else pe.peer_loader(a.name, files, dev)
-    if isinstance(made, str):
-        common.report_child({"skipped": made})
-        return
-    out = made.load()
-    check_sample(out, files)
-    del out
-    common.report_child({"name": made.name, "note": made.note, "seconds": ce.measure(made.load, a.reps)})
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["peer"]:
-        peer_main(argv[1:])
-        return 0
     ap = common.parser(__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=5, help="timed loads per loader (median; default 5)")
-    ap.add_argument("--peers", default="all", help=f"all, none, or a comma list of {', '.join(PEERS)}")
-    ap.add_argument("--peer-reps", type=int, default=3, help="timed loads per peer (median; default 3: some "
-                                                              "take 10 s a load)")
-    ap.add_argument("--peer-timeout", type=float, default=300, help="seconds per peer process (default 300)")
+    ap.add_argument("--reps", type=int, default=5, help="timed loads per case for the ceilings (median; default 5)")
     ap.add_argument("--threads", default=None, help="thread sweep instead: a comma list, e.g. 8,12,16,24,32")
     ap.add_argument("--chunks", default=None, help="chunk size sweep instead: a comma list of SLOT or SLOT/READ, "
                                                        "e.g. 8MiB,8MiB/4MiB,4MiB")
@@ -325,8 +199,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="interleaved rounds of --threads / --chunks / --verify (default 5)")
     args = ap.parse_args(argv)
     files = common.ensure_checkpoint(args.ckpt, args.size, args.shards)
+    if not (args.threads or args.chunks or args.verify):
+        ap.error("give --threads, --chunks or --verify (the hot load against its ceiling and the peers, each "
+                 "load in a new process, is fresh_bench.py)")
     suite, run = (("threads", suite_threads) if args.threads else ("chunks", suite_chunks) if args.chunks
-                  else ("verify", suite_verify) if args.verify else ("load", suite_load))
+                  else ("verify", suite_verify))
     res = Results(suite, args.out)
     run(args, files, res)
     res.save()

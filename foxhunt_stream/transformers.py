@@ -7,7 +7,7 @@
 
 The result is what ``model_class.from_pretrained(path, dtype=dtype, device_map=device)`` gives --
 same class, state dict, buffers, ties, eval mode, generation config, load report -- with the
-weights streamed by foxhunt_stream. Needs ``pip install 'foxhunt-stream[transformers]'``.
+weights streamed by foxhunt_stream. Needs torch and transformers (``pip install torch 'transformers>=5.17,<6'``, or the checkout's ``transformers`` extra).
 """
 
 from __future__ import annotations
@@ -76,5 +76,5 @@ def machinery():
         if (e.name or "").split(".")[0] not in ("transformers", "torch"):
             raise
         raise ImportError(f"fs.transformers needs {e.name.split('.')[0]}: "
-                          "pip install 'foxhunt-stream[transformers]'") from e
+                          "pip install torch 'transformers>=5.17,<6'") from e
     return hf

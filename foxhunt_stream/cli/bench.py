@@ -3,7 +3,9 @@
 It measures, in one run and on the best device present (a CUDA GPU when cupy finds one, else
 the CPU, saying why a GPU it sees cannot be used): the ceilings of this machine
 (``ceilings``), foxhunt_stream's load and save, and safetensors' (plus, with ``peers=True``,
-the peer loaders that happen to be installed). Every figure names the ceiling it is compared
+the peer loaders that happen to be installed). Every load runs in a new process, as a server's
+(``fresh``): the headline is foxhunt_stream's first load there, with the second in the same
+process beside it. Every figure names the ceiling it is compared
 with, one that does the same work: a load to a GPU against the slower of page cache -> pinned
 and pinned -> device; a save against a write of the same size by the same method (``pwrite``,
 or copies into a mapping where the saver maps), with fsync when the save syncs, and on a GPU
@@ -40,7 +42,7 @@ from . import peers as pe
 from .text import describe_error, fmt_bytes
 
 DEFAULT_SIZE = {"cpu": 1 << 30, "cuda": 8 << 30}   # GPU figures want >= 8 GiB (DESIGN.md)
-GPU_FIX = "pip install 'foxhunt-stream[cuda12]' or 'foxhunt-stream[cuda13]'"
+GPU_FIX = "pip install cupy-cuda13x (or cupy-cuda12x for a CUDA 12 driver)"
 
 
 # ---------------------------------------------------------------- results
@@ -396,7 +398,7 @@ def require_matplotlib():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'foxhunt-stream[plot]'") from None
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
     return plt
 
 

@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=_positive_int, default=None, help="worker threads (default: per CPU)")
     b.add_argument("--cold", action="store_true", help="drop the page cache before every read")
     b.add_argument("--peers", action="store_true",
-                   help="also run fastsafetensors, instanttensor, runai_model_streamer if installed")
+                   help="also run InstantTensor, kvikio and fastsafetensors where installed (each load in a new process)")
     b.add_argument("--no-save", action="store_true", help="skip the save figures")
     b.add_argument("--workdir", default=None, help="directory for temporary files (default: system temp)")
     b.add_argument("--json", metavar="OUT.json", default=None, help="also write the results as JSON")

@@ -61,7 +61,7 @@ def runtime_failure(error: str, runtime: str, runtime_version: int, driver_versi
         else:
             why = f"no NVIDIA driver is loaded, and {runtime} (CUDA {version(runtime_version)}) needs one"
         return (f"{why}. To fix: install or update the NVIDIA driver, or use builds for the CUDA version the driver "
-                f"supports (foxhunt-stream[cuda12], a torch built for CUDA 12). ({error})")
+                f"supports (cupy-cuda12x, a torch built for CUDA 12). ({error})")
     if "NoDevice" in error:
         shown = "" if visible_devices is None else f" with CUDA_VISIBLE_DEVICES={visible_devices!r}"
         return f"the CUDA runtime ({runtime}) sees no GPU{shown}. ({error})"

@@ -77,7 +77,7 @@ def progress_bar(total_bytes: int, desc: str, progress: bool | None = None, stre
         global _warned
         if progress and not _warned:
             _warned = True
-            log.warning("progress=True needs tqdm: pip install 'foxhunt-stream[progress]'")
+            log.warning("progress=True needs tqdm: pip install tqdm")
         return NO_PROGRESS
     bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, file=stream,
                delay=0 if progress else AUTO_DELAY_S, leave=bool(progress), dynamic_ncols=True,

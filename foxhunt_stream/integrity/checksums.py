@@ -72,7 +72,7 @@ def algorithm(name: str) -> Algorithm:
             a = Algorithm(name, 4, google_crc32c.value, google_crc32c.Checksum,
                           lambda h: int.from_bytes(h.digest(), "big"))
     except ImportError as e:
-        raise ImportError(f"checksum {name!r} needs its library: pip install 'foxhunt-stream[checksum]' ({e})") from None
+        raise ImportError(f"checksum {name!r} needs its library: pip install xxhash google-crc32c ({e})") from None
     _algorithms[name] = a
     return a
 

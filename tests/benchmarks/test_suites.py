@@ -13,7 +13,7 @@ import pytest
 
 import common
 import disk_bench
-import load_bench
+from foxhunt_stream.cli import fresh
 import run as runner
 import tp_bench
 
@@ -91,23 +91,15 @@ def test_the_llama_plan_splits_what_a_serving_stack_splits():
     assert (rows("w"), rows("norm"), cols("w"), cols("norm")) == (0, None, 1, None)
 
 
-def test_peer_names():
-    assert load_bench.peer_names("none") == []
-    assert load_bench.peer_names("all") == list(load_bench.PEERS)
-    assert load_bench.peer_names("safetensors, fastsafetensors") == ["safetensors", "fastsafetensors"]
-    with pytest.raises(SystemExit, match="unknown peer"):
-        load_bench.peer_names("safetensors,pickle")
-
-
 def test_check_sample_compares_with_the_file(tmp_path):
     files = common.ensure_checkpoint(str(tmp_path), "4MiB", shards=2)
     out = fs.load_file(str(tmp_path))
-    load_bench.check_sample(out, files)
-    name = fs.read_header(files[0]).tensors[len(fs.read_header(files[0]).tensors) // 2].name
+    fresh.check_sample(out, files)
+    name = fs.read_header(files[0]).tensors[0].name   # the one it compares: the file's first
     out[name] = out[name].copy()
     out[name].reshape(-1)[0] += 1
     with pytest.raises(AssertionError, match="differ"):
-        load_bench.check_sample(out, files)
+        fresh.check_sample(out, files)
 
 
 def test_disk_probe_while_streaming(tmp_path):
@@ -172,7 +164,9 @@ def test_the_runner_on_the_cpu(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "load     ok" in summary and "tp       ok" in summary
     load = json.loads((out / "load.json").read_text())
-    assert load["loads"]["foxhunt_stream load_file"]["seconds"] and load["bytes"] > 0.7 * (16 << 20)
+    firsts = [r["seconds"] for r in load["runs"]["foxhunt"]]
+    assert firsts and all(t > 0 for t in firsts) and load["bytes"] > 0.7 * (16 << 20)
+    assert [r["seconds"] for r in load["runs"]["host_foxhunt"]]
     tp = json.loads((out / "tp.json").read_text())
     assert set(tp["fraction"]) == {"full load", *tp_bench.plans({}).keys(), 'Llama, backend="pread"',
                                    'columns, backend="pread"', "full load, floor", "rows, floor"}

@@ -20,7 +20,7 @@ import foxhunt_stream as fs
 from foxhunt_stream.cli import ceilings as ce
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_FIX = "pip install 'foxhunt-stream[cuda12]' or 'foxhunt-stream[cuda13]'"
+GPU_FIX = "pip install cupy-cuda13x (or cupy-cuda12x for a CUDA 12 driver)"
 
 
 def run(*args: str, missing: tuple[str, ...] = (), gpu_shown: bool | None = None) -> subprocess.CompletedProcess:

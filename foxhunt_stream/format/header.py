@@ -34,6 +34,8 @@ N_LEN = 8
 MAX_HEADER_SIZE = 100_000_000
 JSON_START = b"{ \t\r\n"   # what a header may begin with (JSON whitespace, then its object)
 _U64_MAX = 2**64 - 1
+_I64_MAX = 2**63 - 1
+MAX_DIMS = 64   # numpy's limit (numpy.MAXDIMS); each dimension and size must also fit a signed 64-bit int
 MAX_JSON_DEPTH = 127   # serde_json's recursion limit: the 128th nested '[' or '{' is an error
 _KNOWN_FIELDS = frozenset(("dtype", "shape", "data_offsets"))
 # Surrogate code points can only come from \u escapes (the raw bytes are checked UTF-8), so a
@@ -272,6 +274,21 @@ def check_size(t: TensorInfo) -> None:
         raise FormatError("size-mismatch",
                           f"{t.dtype.name}{list(t.shape)} needs {nbits // 8} bytes but data_offsets span "
                           f"{t.end - t.start}", tensor=t.name)
+    if not numel:
+        check_empty_shape(t)
+
+
+def check_empty_shape(t: TensorInfo) -> None:
+    """An empty tensor (a zero in its shape) must still be an array numpy can make: each dimension,
+    and the bytes of its non-zero dimensions, below 2**63 (numpy's intp). The reference takes any
+    such shape whose partial products fit 64 bits; a tensor with data is bounded by the file."""
+    size = max(1, t.dtype.bits // 8)
+    for s in t.shape:
+        if s:
+            size *= s
+        if s > _I64_MAX or size > _I64_MAX:
+            raise FormatError("shape-limits", f"empty tensor of shape {list(t.shape)}: numpy holds no dimension, "
+                              "nor product of the non-zero dimensions in bytes, of 2**63 or more", tensor=t.name)
 
 
 def tile_data_region(infos: list[TensorInfo]) -> int:
@@ -327,7 +344,8 @@ def tensor_info(name: str, entry) -> TensorInfo:
         dt, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if type(dt) is str and dt in DTYPES and type(shape) is list and type(offs) is list and len(offs) == 2:
             start, end = offs
-            if type(start) is int and type(end) is int and 0 <= start <= _U64_MAX and 0 <= end <= _U64_MAX:
+            if (type(start) is int and type(end) is int and 0 <= start <= _U64_MAX and 0 <= end <= _U64_MAX
+                    and len(shape) <= MAX_DIMS):
                 for s in shape:
                     if type(s) is not int or s < 0 or s > _U64_MAX:
                         break
@@ -362,6 +380,9 @@ def tensor_info_by_rules(name: str, entry) -> TensorInfo:
     for s in shape:   # a loop, not all(generator): a header of thousands of tensors parses in ms
         if type(s) is not int or s < 0 or s > _U64_MAX:
             raise FormatError("shape", f"shape {shape!r} must be a list of non-negative integers", tensor=name)
+    if len(shape) > MAX_DIMS:
+        raise FormatError("shape-limits", f"shape has {len(shape)} dimensions, more than numpy's {MAX_DIMS}",
+                          tensor=name)
     offs = entry["data_offsets"]
     if (not isinstance(offs, list) or len(offs) != 2 or type(offs[0]) is not int or type(offs[1]) is not int
             or not 0 <= offs[0] <= _U64_MAX or not 0 <= offs[1] <= _U64_MAX):

@@ -158,6 +158,13 @@ STRICTER_CASES = [
     Case("duplicate-unknown-field", _text(HDR + ',"x":1,"x":2}'), "duplicate-key", "a"),
     Case("entry-as-array", build({"a": ["F32", [2], [0, 8]]}, D8), "tensor-entry", "a"),
     Case("dtype-as-enum-map", build(_t(dtype={"F32": None}), D8), "unknown-dtype", "a"),
+    # numpy's limits (at most 64 dims; dims and the bytes of the non-zero ones below 2**63)
+    Case("65-dims", build({"a": entry("U8", [1] * 65, 0)}, b"\x01"), "shape-limits", "a"),
+    Case("200-empty-dims", build({"a": entry("F32", [0] * 200, 0)}), "shape-limits", "a"),
+    Case("empty-with-dim-2^63", build({"a": entry("U8", [0, 2**63], 0)}), "shape-limits", "a"),
+    Case("empty-with-dim-u64-max", build({"a": entry("BOOL", [2**64 - 1, 0], 0)}), "shape-limits", "a"),
+    Case("empty-dims-over-2^63-bytes", build({"a": entry("F32", [0, 2**62, 2], 0)}), "shape-limits", "a"),
+    Case("empty-f64-dims-over-2^63-bytes", build({"a": entry("F64", [2**60, 0], 0)}), "shape-limits", "a"),
 ]
 
 
@@ -194,6 +201,9 @@ ACCEPT = {
     "unpadded-header-length": build({"a": entry("U8", [3], 0)}, b"xyz"),
     "f4-and-f6-packed": build({"p": entry("F4", [2, 2], 0), "q": entry("F6_E3M2", [4], 2), "r": entry("F4", [2], 5)},
                               bytes(range(6))),
+    "64-dims": build({"a": entry("U8", [1] * 64, 0), "z": entry("U8", [0] * 64, 1)}, b"\x07"),
+    "empty-at-numpy-limits": build({"a": entry("U8", [0, 2**63 - 1], 0), "b": entry("F32", [2**61 - 1, 0], 0),
+                                    "c": entry("I16", [2**31, 0, 2**30 - 1], 0)}),
 }
 
 # What our numpy arrays hold for each dtype (independent of foxhunt_stream.format.dtypes).

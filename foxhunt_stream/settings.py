@@ -24,18 +24,37 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+MAX_SIZE = 2**63 - 1   # a size is a byte count or a file offset: at most the largest off_t
+
+
 def parse_size(value: int | str) -> int:
-    """``5GB`` -> 5_000_000_000, ``500MiB`` -> 524_288_000, ints pass through."""
+    """``5GB`` -> 5_000_000_000, ``500MiB`` -> 524_288_000, ``0.5KiB`` -> 512, ints pass through.
+
+    Exact (integer arithmetic, no float rounding); a size above ``MAX_SIZE`` is an OptionError."""
     if isinstance(value, bool):
         raise OptionError(f"not a size: {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise OptionError(f"size must be non-negative, got {value}")
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise OptionError(f"not a size: {value!r} (examples: 1048576, 512MiB, 5GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        size = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]+)(?:\.([0-9]{1,30}))?\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(3).lower() not in _UNITS:
+            raise OptionError(f"not a size: {_shown(value)} (examples: 1048576, 512MiB, 5GB)")
+        whole, frac, unit = m.group(1).lstrip("0"), m.group(2) or "", _UNITS[m.group(3).lower()]
+        if len(whole) > 20:   # beyond MAX_SIZE whatever the unit (and int() of it may be refused)
+            size = MAX_SIZE + 1
+        else:
+            size = int(whole + frac or "0") * unit // 10 ** len(frac)
+    if size > MAX_SIZE:
+        raise OptionError(f"size {_shown(value)} is too large (at most 2**63 - 1 bytes)")
+    return size
+
+
+def _shown(value) -> str:
+    """``repr(value)``, cut short: a 400-digit value is named, not printed whole."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}...({len(text)} characters)"
 
 
 def available_cpus() -> int:
@@ -82,24 +101,33 @@ class Settings:
         return replace(self, threads=background_threads(n) if background else n)
 
     def validate(self) -> "Settings":
+        problem = self.problem()
+        if problem:
+            raise OptionError(problem[1])
+        return self
+
+    def problem(self) -> tuple[tuple[str, ...], str] | None:
+        """The first setting out of range: the fields involved and what is wrong; None if none is."""
         from .io.source import BACKENDS
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
-            raise OptionError(f"threads must be a non-negative int, got {self.threads!r}")
+            return ("threads",), f"threads must be a non-negative int, got {self.threads!r}"
         if self.chunk_bytes < 4096:
-            raise OptionError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+            return ("chunk_bytes",), f"chunk_bytes must be at least 4096, got {self.chunk_bytes}"
         if self.read_bytes < 4096:
-            raise OptionError(f"read_bytes must be at least 4096, got {self.read_bytes}")
+            return ("read_bytes",), f"read_bytes must be at least 4096, got {self.read_bytes}"
         if self.staging_bytes < self.chunk_bytes:
-            raise OptionError(f"staging_bytes ({self.staging_bytes}) must hold at least one chunk ({self.chunk_bytes})")
+            return (("staging_bytes", "chunk_bytes"),
+                    f"staging_bytes ({self.staging_bytes}) must hold at least one chunk ({self.chunk_bytes})")
         if self.backend not in BACKENDS:
-            raise OptionError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+            return ("backend",), f"backend must be one of {', '.join(BACKENDS)}, got {_shown(self.backend)}"
         if self.write_backend not in WRITE_BACKENDS:
-            raise OptionError(f"write_backend must be one of {', '.join(WRITE_BACKENDS)}, got {self.write_backend!r}")
+            return (("write_backend",),
+                    f"write_backend must be one of {', '.join(WRITE_BACKENDS)}, got {_shown(self.write_backend)}")
         if self.verify_on not in get_args(VerifyOn):
-            raise OptionError(f"verify_on must be 'auto', 'read' or 'landed', got {self.verify_on!r}")
+            return ("verify_on",), f"verify_on must be 'auto', 'read' or 'landed', got {_shown(self.verify_on)}"
         if self.direct_io not in get_args(DirectIO):
-            raise OptionError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
-        return self
+            return ("direct_io",), f"direct_io must be 'auto', 'on' or 'off', got {_shown(self.direct_io)}"
+        return None
 
     @property
     def n_slots(self) -> int:
@@ -146,20 +174,29 @@ def _warn_unknown_variables() -> None:
                           f"{', '.join(sorted(known))}); it is ignored", UserWarning, stacklevel=4)
 
 
+def _env_name(field: str) -> str:
+    return "FOXHUNT_" + field.upper()
+
+
 def _from_env() -> Settings:
+    """The defaults with the environment's ``FOXHUNT_*`` values; a bad value is an OptionError
+    naming the variable and the value it holds."""
     _warn_unknown_variables()
     kw = {}
     for f in fields(Settings):
-        env = "FOXHUNT_" + f.name.upper()
+        env = _env_name(f.name)
         if env in os.environ:
             try:
                 kw[f.name] = _coerce(f.name, os.environ[env])
             except ValueError as e:
-                raise OptionError(f"environment variable {env}: {e}") from None
-    try:
-        return Settings(**kw).validate()
-    except ValueError as e:
-        raise OptionError(f"FOXHUNT_* environment: {e}") from None
+                raise OptionError(f"environment variable {env}={_shown(os.environ[env])}: {e}") from None
+    s = Settings(**kw)
+    problem = s.problem()
+    if problem:
+        involved, message = problem
+        named = [f"{_env_name(f)}={_shown(os.environ[_env_name(f)])}" for f in involved if f in kw]
+        raise OptionError(f"environment variable {' and '.join(named)}: {message}")
+    return s
 
 
 _current: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("foxhunt_settings", default=None)

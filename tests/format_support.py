@@ -29,7 +29,22 @@ STRICTER = {
     "duplicate-key": "a repeated tensor name, __metadata__ key or unknown field: the reference keeps the last one",
     "tensor-entry": "a tensor entry given as a JSON array [dtype, shape, data_offsets]: serde reads it as the struct",
     "unknown-dtype": 'dtype given as {"F32": null}: serde reads a one-key map as the enum variant',
+    "shape-limits": "a shape numpy cannot hold: more than 64 dimensions, or an empty tensor with a dimension, or a "
+                    "product of its non-zero dimensions in bytes, of 2**63 or more: the reference takes any shape "
+                    "whose byte count fits 64 bits",
 }
+
+MAX_DIMS = 64   # numpy.MAXDIMS
+
+
+def beyond_numpy(dtype: str, shape) -> bool:
+    """Whether numpy cannot make an array of this safetensors dtype and shape (sub-byte types as
+    bytes): more than 64 dimensions, a dimension of 2**63 or more, or non-zero dimensions whose
+    product in bytes reaches 2**63."""
+    size = max(1, BITS[dtype] // 8)
+    for s in shape:
+        size *= s or 1
+    return len(shape) > MAX_DIMS or any(s >= 2**63 for s in shape) or size >= 2**63
 
 
 def build(header: str | bytes | dict, data: bytes = b"", *, n: int | None = None, pad: bool = False) -> bytes:
@@ -119,6 +134,8 @@ def documented_stricter(err, buf: bytes) -> bool:
         return bool(dup)
     header = json.loads(text)
     e = header.get(err.tensor)
+    if err.rule == "shape-limits":
+        return isinstance(e, dict) and e.get("dtype") in BITS and beyond_numpy(e["dtype"], e["shape"])
     if err.rule == "tensor-entry":
         return isinstance(e, list)
     return isinstance(e, dict) and isinstance(e.get("dtype"), dict)   # unknown-dtype

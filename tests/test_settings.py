@@ -13,6 +13,7 @@ import safetensors.numpy as stn
 
 import foxhunt_stream as fs
 from foxhunt_stream import settings
+from foxhunt_stream.errors import OptionError
 
 VALID = ", ".join(sorted(f.name for f in fields(settings.Settings)))   # every option, as the message lists them
 
@@ -127,19 +128,55 @@ def test_env_overrides_defaults(monkeypatch):
     ("FOXHUNT_THREADS", "-2"),
     ("FOXHUNT_CHUNK_BYTES", "16 furlongs"),
     ("FOXHUNT_CHUNK_BYTES", "12"),
+    ("FOXHUNT_CHUNK_BYTES", "9" * 400),
+    ("FOXHUNT_READ_BYTES", "1KiB"),
+    ("FOXHUNT_STAGING_BYTES", "1MiB"),
+    ("FOXHUNT_STAGING_BYTES", "1" + "0" * 19),
     ("FOXHUNT_BACKEND", "io_uring"),
     ("FOXHUNT_DIRECT_IO", "yes"),
     ("FOXHUNT_WRITE_BACKEND", "splice"),
+    ("FOXHUNT_VERIFY_ON", "gpu"),
 ])
 def test_bad_env_is_loud(ckpt, monkeypatch, var, value):
-    """A bad FOXHUNT_* value fails the first call that reads settings, naming the variable or the
-    setting, instead of being ignored."""
+    """A bad FOXHUNT_* value fails the first call that reads settings with an OptionError naming
+    the variable and the value it holds, instead of being ignored."""
     monkeypatch.setenv(var, value)
-    setting = var.removeprefix("FOXHUNT_").lower()
-    with pytest.raises(ValueError) as ei:
+    with pytest.raises(OptionError) as ei:
         fresh(fs.load_file, ckpt)
-    assert var in str(ei.value) or setting in str(ei.value)
-    assert value in str(ei.value)
+    message = str(ei.value)
+    assert message.startswith(f"environment variable {var}="), message
+    assert (value if len(value) < 40 else value[:30]) in message
+    assert len(message) < 300   # a 400-digit value is named, not printed whole
+
+
+def test_env_values_that_disagree_name_the_variables_set(ckpt, monkeypatch):
+    """staging_bytes must hold a chunk: the message names whichever of the two the environment set."""
+    monkeypatch.setenv("FOXHUNT_CHUNK_BYTES", "512MiB")
+    with pytest.raises(OptionError, match=r"^environment variable FOXHUNT_CHUNK_BYTES='512MiB': staging_bytes"):
+        fresh(fs.load_file, ckpt)
+    monkeypatch.setenv("FOXHUNT_STAGING_BYTES", "16MiB")
+    with pytest.raises(OptionError, match="FOXHUNT_STAGING_BYTES='16MiB' and FOXHUNT_CHUNK_BYTES='512MiB'"):
+        fresh(fs.load_file, ckpt)
+
+
+@pytest.mark.parametrize("value", ["1" * 400, "9" * 30 + "TiB", "1" * 400 + ".5GB", 10**400, 2**63, "8589934592GiB"],
+                         ids=["400-digits", "30-digits-TiB", "400-digits-fraction", "int-10**400", "int-2**63",
+                              "2**63-bytes-in-GiB"])
+def test_a_size_too_large_to_be_a_size_is_an_option_error(ckpt, value):
+    with pytest.raises(OptionError, match="too large"):
+        settings.parse_size(value)
+    for call in (lambda: settings.merge(chunk_bytes=value), lambda: fs.load_file(ckpt, staging_bytes=value)):
+        with pytest.raises(OptionError, match="too large"):
+            call()
+
+
+@pytest.mark.parametrize("text, size", [("8589934591GiB", 8589934591 << 30), (str(2**63 - 1), 2**63 - 1),
+                                        ("0" * 400 + "12", 12), ("1.5GB", 1_500_000_000), ("0.5KiB", 512),
+                                        ("9007199254740993", 2**53 + 1), ("4503599627.370497MB", 2**52 + 1),
+                                        ("3.3333MiB", 3495218)])
+def test_sizes_are_exact(text, size):
+    """Whole bytes by integer arithmetic (a float would round 2**53 + 1)."""
+    assert settings.parse_size(text) == size
 
 
 def test_env_is_read_once_per_context(monkeypatch):

@@ -7,38 +7,40 @@ Validation follows the reference implementation rule by rule (safetensors/src/te
   ``dtype``/``shape``/``data_offsets``/``__metadata__`` but keeps the last of repeated tensor
   names, metadata keys and unknown fields);
 * a tensor entry must be a JSON object (the reference also takes a 3-element array);
-* ``dtype`` must be a JSON string (the reference's serde enum also takes ``{"F32": null}``).
+* ``dtype`` must be a JSON string (the reference's serde enum also takes ``{"F32": null}``);
+* a shape must be one numpy can hold (at most 64 dimensions; see ``check_empty_shape``).
 
 Where Python's ``json`` is laxer than the reference's serde_json, we follow serde_json, so
 that every file we accept the reference accepts too: no NaN/Infinity literals, no lone
 surrogate escapes anywhere, ``-0`` is a float (so not a valid shape/offset), numbers must
-fit a double, and objects/arrays nest at most ``MAX_JSON_DEPTH`` deep.
+fit a double, and objects/arrays nest at most ``json_scan.MAX_JSON_DEPTH`` deep.
+
+Reading costs time and memory in proportion to what the reader keeps, not to what a header
+holds (``header_json``): the values of fields the format ignores are checked without being
+built (``json_scan``).
 
 Every rule is a ``FormatError`` whose ``rule`` attribute names it.
 """
 
 from __future__ import annotations
 
+import gc
 import json
-import math
 import operator
-import re
 import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple
 
 from .dtypes import DTYPES, DType
+from .header_json import kind_name, read_header_object
 from ..errors import FormatError
 
 N_LEN = 8
 MAX_HEADER_SIZE = 100_000_000
 JSON_START = b"{ \t\r\n"   # what a header may begin with (JSON whitespace, then its object)
 _U64_MAX = 2**64 - 1
-MAX_JSON_DEPTH = 127   # serde_json's recursion limit: the 128th nested '[' or '{' is an error
-_KNOWN_FIELDS = frozenset(("dtype", "shape", "data_offsets"))
-# Surrogate code points can only come from \u escapes (the raw bytes are checked UTF-8), so a
-# header without such an escape needs no per-string check.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_I64_MAX = 2**63 - 1
+MAX_DIMS = 64   # numpy's limit (numpy.MAXDIMS); each dimension and size must also fit a signed 64-bit int
 
 
 class TensorInfo(NamedTuple):
@@ -104,152 +106,16 @@ def read_header_len(prefix: bytes, file_size: int) -> int:
     return n
 
 
-def _reject_constant(token: str):
-    raise FormatError("header-json", f"non-standard JSON constant {token}")
-
-
-# what _parse_int treats specially: "-0", and a run of 300 digits (found with bytes.translate,
-# in C; a regex tries a match at every digit and costs more than the hook saves)
-_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
-_LONG_DIGITS = b"0" * 300
-
-
-def _parse_int(token: str):
-    """Integers as serde_json reads them: ``-0`` is the float -0.0; beyond a double, an error."""
-    if token == "-0":
-        return -0.0
-    value = int(token)
-    if len(token) > 300 and math.isinf(_to_float(value)):
-        raise FormatError("header-json", f"number {token[:20]}... is out of range")
-    return value
-
-
-def _to_float(value: int) -> float:
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf
-
-
-def _parse_float(token: str) -> float:
-    value = float(token)
-    if math.isinf(value):
-        raise FormatError("header-json", f"number {token[:40]} is out of range")
-    return value
-
-
-class _Duplicate:
-    """Stands in for a JSON object that repeats ``key``, so that the error can name the tensor."""
-    __slots__ = ("key",)
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    def __repr__(self) -> str:
-        return f"{{an object repeating {self.key!r}}}"
-
-
-def _pairs_no_duplicates(pairs):
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen = set()
-        for k, _ in pairs:
-            if k in seen:
-                return _Duplicate(k)
-            seen.add(k)
-    return obj
-
-
-def _check_strings(value, tensor: str | None) -> None:
-    """Reject lone surrogates in any key or string under ``value`` (iterative: no recursion)."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-        elif isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                raise FormatError("header-json", f"string {v[:40]!r} contains a lone surrogate escape",
-                                  tensor=tensor) from None
-
-
-def _check_extra(value, depth: int, tensor: str) -> None:
-    """An ignored field still has to be JSON the reference takes: no container nested deeper
-    than serde_json allows (``depth`` is ``value``'s own), no repeated key. Walks level by
-    level, holding only containers (memory stays a fraction of what parsing took)."""
-    level = [value]
-    while level:
-        children = []
-        for v in level:
-            if isinstance(v, _Duplicate):
-                raise FormatError("duplicate-key", f"key {v.key!r} appears twice in an unknown field", tensor=tensor)
-            if isinstance(v, (dict, list)):
-                if depth > MAX_JSON_DEPTH:
-                    raise FormatError("header-json", f"JSON nests deeper than {MAX_JSON_DEPTH} levels",
-                                      tensor=tensor)
-                children.extend(c for c in (v.values() if isinstance(v, dict) else v)
-                                if isinstance(c, (dict, list, _Duplicate)))
-        level = children
-        depth += 1
-
-
-def _header_text(header_bytes: bytes, file_size: int) -> tuple[int, bytes, str]:
-    """The header's length ``n`` (checked against the file), its raw JSON bytes and their text."""
-    n = read_header_len(header_bytes, file_size)
-    if len(header_bytes) < N_LEN + n:
-        raise FormatError("header-length", f"header length {n} but only {len(header_bytes) - N_LEN} header bytes given")
-    raw = bytes(header_bytes[N_LEN:N_LEN + n])
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError("header-utf8", f"header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    return n, raw, text
-
-
-def _header_object(raw: bytes, text: str) -> dict:
-    """The top-level JSON object, parsed by serde_json's rules: no repeated key, no NaN/Infinity,
-    no lone surrogate, integers as serde reads them."""
-    try:
-        # serde's integer rules (``-0``, numbers beyond a double) need a Python hook per integer;
-        # a header without such tokens (every real one) parses with the C scanner's own ints
-        hook = _parse_int if (b"-0" in raw or _LONG_DIGITS in raw.translate(_DIGITS_AS_ZERO)) else None
-        obj = json.loads(text, object_pairs_hook=_pairs_no_duplicates, parse_constant=_reject_constant,
-                         parse_int=hook, parse_float=_parse_float)
-    except FormatError:
-        raise
-    except json.JSONDecodeError as e:
-        raise FormatError("header-json", f"header is not valid JSON: {e.msg} at char {e.pos}") from None
-    except (RecursionError, ValueError) as e:
-        raise FormatError("header-json", f"header is not valid JSON: {type(e).__name__}: {e}"[:300]) from None
-    if isinstance(obj, _Duplicate):
-        what = "__metadata__" if obj.key == "__metadata__" else "tensor name"
-        raise FormatError("duplicate-key", f"{what} appears twice in the header",
-                          tensor=None if obj.key == "__metadata__" else obj.key)
-    if not isinstance(obj, dict):
-        raise FormatError("header-not-object", f"header JSON is a {type(obj).__name__}, not an object")
-    if _SURROGATE_ESCAPE.search(text):
-        for k, v in obj.items():
-            _check_strings(k, None)
-            _check_strings(v, None if k == "__metadata__" else k)
-    return obj
-
 
 def _metadata(value) -> dict[str, str] | None:
     """``__metadata__``: absent/null, or an object of string to string."""
     if value is None:
         return None
-    if isinstance(value, _Duplicate):
-        raise FormatError("duplicate-key", f"__metadata__ key {value.key!r} appears twice")
     if not isinstance(value, dict):
         raise FormatError("metadata-type", "__metadata__ must be an object of string to string, or null")
     for k, v in value.items():
         if not isinstance(v, str):
-            raise FormatError("metadata-type", f"__metadata__[{k!r}] is a {type(v).__name__}, not a string")
+            raise FormatError("metadata-type", f"__metadata__[{k!r}] is a {kind_name(v)}, not a string")
     return value
 
 
@@ -272,6 +138,21 @@ def check_size(t: TensorInfo) -> None:
         raise FormatError("size-mismatch",
                           f"{t.dtype.name}{list(t.shape)} needs {nbits // 8} bytes but data_offsets span "
                           f"{t.end - t.start}", tensor=t.name)
+    if not numel:
+        check_empty_shape(t)
+
+
+def check_empty_shape(t: TensorInfo) -> None:
+    """An empty tensor (a zero in its shape) must still be an array numpy can make: each dimension,
+    and the bytes of its non-zero dimensions, below 2**63 (numpy's intp). The reference takes any
+    such shape whose partial products fit 64 bits; a tensor with data is bounded by the file."""
+    size = max(1, t.dtype.bits // 8)
+    for s in t.shape:
+        if s:
+            size *= s
+        if s > _I64_MAX or size > _I64_MAX:
+            raise FormatError("shape-limits", f"empty tensor of shape {list(t.shape)}: numpy holds no dimension, "
+                              "nor product of the non-zero dimensions in bytes, of 2**63 or more", tensor=t.name)
 
 
 def tile_data_region(infos: list[TensorInfo]) -> int:
@@ -304,70 +185,64 @@ def parse_header(header_bytes: bytes, file_size: int) -> Header:
     """Parse and validate a whole header (``header_bytes`` = the 8-byte prefix + JSON).
 
     ``file_size`` is the size of the file it came from: the data region must end exactly there.
-    Nothing is allocated in proportion to what the header claims.
+    Nothing is allocated in proportion to what the header claims, nor to what it holds in
+    fields the format ignores.
     """
-    n, raw, text = _header_text(header_bytes, file_size)
-    obj = _header_object(raw, text)
-    metadata = _metadata(obj.pop("__metadata__", None))
-    infos = [tensor_info(name, entry) for name, entry in obj.items()]
-    end = tile_data_region(infos)
+    n = read_header_len(header_bytes, file_size)
+    if len(header_bytes) < N_LEN + n:
+        raise FormatError("header-length", f"header length {n} but only {len(header_bytes) - N_LEN} header bytes given")
+    data = header_bytes if isinstance(header_bytes, bytes) else bytes(header_bytes)
+    # A header's objects hold no reference cycles: collections while it is read would only rescan
+    # them (a header of 1M tensors took twice as long). The switch is the process's, for the
+    # parse: another thread's garbage cycles wait until then.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        obj = read_header_object(data, N_LEN, N_LEN + n)
+        metadata = _metadata(obj.pop("__metadata__", None))
+        infos = list(map(tensor_info, obj, obj.values()))
+        by_name = dict(zip(obj, infos))
+        end = tile_data_region(infos)
+    finally:
+        if collecting:
+            gc.enable()
     if N_LEN + n + end != file_size:
         raise FormatError("incomplete-buffer",
                           f"data region should end at byte {N_LEN + n + end} but the file has {file_size} bytes")
-    header = Header(metadata=metadata, tensors=tuple(infos), header_len=n)
-    header.by_name.update((t.name, t) for t in infos)
-    return header
+    return Header(metadata=metadata, tensors=tuple(infos), header_len=n, by_name=by_name)
 
 
 def tensor_info(name: str, entry) -> TensorInfo:
-    """The entry of tensor ``name``, validated. The common case (an object of exactly the three
-    fields, a known dtype, integer dims and offsets in range) passes every check of
-    ``tensor_info_by_rules`` in one pass; anything else goes through it, rule by rule."""
-    if type(entry) is dict and len(entry) == 3:
-        dt, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if type(dt) is str and dt in DTYPES and type(shape) is list and type(offs) is list and len(offs) == 2:
-            start, end = offs
-            if type(start) is int and type(end) is int and 0 <= start <= _U64_MAX and 0 <= end <= _U64_MAX:
-                for s in shape:
-                    if type(s) is not int or s < 0 or s > _U64_MAX:
-                        break
-                else:
-                    return _new_tuple(TensorInfo, (name, DTYPES[dt], tuple(shape), start, end))
-    return tensor_info_by_rules(name, entry)
-
-
-_new_tuple = tuple.__new__   # TensorInfo(...) without its Python-level __new__
-
-
-def tensor_info_by_rules(name: str, entry) -> TensorInfo:
-    """The entry of tensor ``name`` checked rule by rule: the first rule it breaks is the
-    FormatError raised, naming the tensor."""
-    if isinstance(entry, _Duplicate):
-        raise FormatError("duplicate-key", f"field {entry.key!r} appears twice", tensor=name)
-    if not isinstance(entry, dict):
-        raise FormatError("tensor-entry", f"entry is a {type(entry).__name__}, not an object", tensor=name)
-    if len(entry) != len(_KNOWN_FIELDS):   # unknown fields are ignored, but must nest like serde allows
-        for key, value in entry.items():
-            if key not in _KNOWN_FIELDS:
-                _check_extra(value, 3, name)
-    for key in ("dtype", "shape", "data_offsets"):
-        if key not in entry:
-            raise FormatError("tensor-entry", f"missing field {key!r}", tensor=name)
-    dt = entry["dtype"]
-    if not isinstance(dt, str) or dt not in DTYPES:
+    """The entry of tensor ``name``, validated; the first rule it breaks is the FormatError raised,
+    naming the tensor. Fields other than dtype, shape and data_offsets are not looked at."""
+    if type(entry) is not dict:
+        raise FormatError("tensor-entry", f"entry is a {kind_name(entry)}, not an object", tensor=name)
+    try:
+        dt, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
+    except KeyError as e:
+        raise FormatError("tensor-entry", f"missing field {e.args[0]!r}", tensor=name) from None
+    dtype = DTYPES.get(dt) if type(dt) is str else None
+    if dtype is None:
         raise FormatError("unknown-dtype", f"dtype {dt!r} is not one of {', '.join(DTYPES)}", tensor=name)
-    shape = entry["shape"]
-    if not isinstance(shape, list):
+    if type(shape) is not list:
         raise FormatError("shape", f"shape {shape!r} must be a list of non-negative integers", tensor=name)
     for s in shape:   # a loop, not all(generator): a header of thousands of tensors parses in ms
         if type(s) is not int or s < 0 or s > _U64_MAX:
             raise FormatError("shape", f"shape {shape!r} must be a list of non-negative integers", tensor=name)
-    offs = entry["data_offsets"]
-    if (not isinstance(offs, list) or len(offs) != 2 or type(offs[0]) is not int or type(offs[1]) is not int
-            or not 0 <= offs[0] <= _U64_MAX or not 0 <= offs[1] <= _U64_MAX):
+    if len(shape) > MAX_DIMS:
+        raise FormatError("shape-limits", f"shape has {len(shape)} dimensions, more than numpy's {MAX_DIMS}",
+                          tensor=name)
+    if type(offs) is not list or len(offs) != 2:
         raise FormatError("data-offsets", f"data_offsets {offs!r} must be exactly two non-negative integers",
                           tensor=name)
-    return TensorInfo(name, DTYPES[dt], tuple(shape), offs[0], offs[1])
+    start, end = offs
+    if type(start) is not int or type(end) is not int or not 0 <= start <= _U64_MAX or not 0 <= end <= _U64_MAX:
+        raise FormatError("data-offsets", f"data_offsets {offs!r} must be exactly two non-negative integers",
+                          tensor=name)
+    return _new_tuple(TensorInfo, (name, dtype, tuple(shape), start, end))
+
+
+_new_tuple = tuple.__new__   # TensorInfo(...) without its Python-level __new__
 
 
 # ---------------------------------------------------------------- serializer

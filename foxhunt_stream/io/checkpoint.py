@@ -219,6 +219,21 @@ def _allowed_roots(base: str) -> list[str]:
     return roots
 
 
+def _check_shard_name(index_path: str, name: str, fname) -> None:
+    """A weight_map value must be a file name the OS can take: a non-empty string without a NUL
+    byte, encodable as a path (a lone surrogate escape is not)."""
+    if not isinstance(fname, str) or not fname:
+        raise FormatError("index-weight-map", f"weight_map[{name!r}] must be a file name", path=index_path,
+                          tensor=name)
+    try:
+        ok = b"\0" not in os.fsencode(fname)
+    except UnicodeError:
+        ok = False
+    if not ok:
+        raise FormatError("index-weight-map", f"weight_map[{name!r}] = {fname!r} is not a file name (a NUL byte or "
+                          "a character no path can hold)", path=index_path, tensor=name)
+
+
 def _from_index(index_path: str) -> Resolved:
     try:
         with open(index_path, "rb") as f:
@@ -232,16 +247,18 @@ def _from_index(index_path: str) -> Resolved:
         raise FormatError("index-json", f"index is not valid JSON: {e}"[:300], path=index_path) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
         raise FormatError("index-weight-map", "index must be an object with a 'weight_map' object", path=index_path)
+    if not obj["weight_map"]:
+        raise FormatError("index-weight-map", "the weight_map maps no tensor: an index names each tensor's shard",
+                          path=index_path)
     base = os.path.dirname(os.path.abspath(index_path))
     roots = _allowed_roots(base)
     files: list[str] = []
     seen: dict[str, str] = {}
     checked: dict[str, str] = {}   # file name as written -> its path (a few files, many names)
     for name, fname in obj["weight_map"].items():
-        if not isinstance(fname, str) or not fname:
-            raise FormatError("index-weight-map", f"weight_map[{name!r}] must be a file name", path=index_path)
-        if fname in checked:
+        if isinstance(fname, str) and fname in checked:
             continue
+        _check_shard_name(index_path, name, fname)
         if os.path.isabs(fname) or ".." in fname.replace("\\", "/").split("/"):
             raise FormatError("index-path-escape", f"weight_map[{name!r}] = {fname!r} leaves the checkpoint directory",
                               path=index_path, tensor=name)

@@ -202,6 +202,34 @@ def test_inspect_invalid_file_one_line_error(ckpt):
     assert err["error"]["path"] == str(ckpt)
 
 
+def _hand_written(path, shape, dtype="U8", data=b""):
+    """One tensor ``t`` of ``shape``, header and data written by hand (shapes our saver refuses)."""
+    body = json.dumps({"t": {"dtype": dtype, "shape": shape, "data_offsets": [0, len(data)]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
+    return path
+
+
+@pytest.mark.parametrize("shape,data", [([1] * 65, b"\x01"), ([0, 2**63], b""), ([2**62, 0, 2], b"")],
+                         ids=["65-dims", "empty-dim-2^63", "empty-over-2^63-bytes"])
+def test_inspect_and_verify_refuse_what_the_loader_refuses(tmp_path, capsys, shape, data):
+    """Shapes numpy cannot hold are a header rule, so inspect and verify say what a load says."""
+    path = _hand_written(tmp_path / "limits.safetensors", shape, "F32" if data == b"" else "U8", data)
+    with pytest.raises(fs.FormatError) as e:
+        fs.load_file(path)
+    assert e.value.rule == "shape-limits" and e.value.tensor == "t" and e.value.path == str(path)
+    for args in (("inspect",), ("verify",), ("verify", "--headers-only")):
+        code, _, err = main_inproc(capsys, *args, str(path))
+        assert code == 1, args
+        assert "[shape-limits]" in err and "'t'" in err and str(path) in err
+    code, out, _ = main_inproc(capsys, "inspect", str(path), "--json")
+    err = json.loads(out)
+    assert code == 1 and err["valid"] is False
+    assert (err["error"]["rule"], err["error"]["tensor"], err["error"]["path"]) == ("shape-limits", "t", str(path))
+    if len(shape) > 64:   # and as a user runs it
+        r = run("verify", str(path))
+        assert r.returncode == 1 and "[shape-limits]" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_debug_shows_the_traceback(ckpt):
     with open(ckpt, "r+b") as f:
         f.write(b"\xff" * 8)   # absurd header length

@@ -70,22 +70,22 @@ REJECT = [
     Case("overlong-encoding", build(b'{"\xc0\xaf":1}'), "header-utf8"),
     Case("utf8-encoded-surrogate", build(b'{"\xed\xa0\x80":1}'), "header-utf8"),
     Case("truncated-multibyte", build(b'{"\xe2\x82":1}'), "header-utf8"),
-    # JSON
+    # JSON (an error inside a tensor's entry names the tensor)
     Case("utf8-bom", build(b"\xef\xbb\xbf{}"), "header-json"),
     Case("empty-json", build(b""), "header-json"),
     Case("nul-padding", build(b"{}\x00\x00\x00\x00\x00\x00"), "header-json"),
     Case("trailing-garbage", build(b"{}x"), "header-json"),
-    Case("truncated-json", build('{"a":{"dtype"'), "header-json"),
+    Case("truncated-json", build('{"a":{"dtype"'), "header-json", "a"),
     Case("single-quotes", build("{'a': 1}"), "header-json"),
     Case("trailing-comma", _text(HDR + "},"), "header-json"),
-    Case("control-char-in-string", _text(HDR + ',"x":"\x01"}'), "header-json"),
-    Case("nan-literal", _text(HDR + ',"x":NaN}'), "header-json"),
-    Case("infinity-in-shape", _text('"a":{"dtype":"F32","shape":[Infinity],"data_offsets":[0,8]}'), "header-json"),
+    Case("control-char-in-string", _text(HDR + ',"x":"\x01"}'), "header-json", "a"),
+    Case("nan-literal", _text(HDR + ',"x":NaN}'), "header-json", "a"),
+    Case("infinity-in-shape", _text('"a":{"dtype":"F32","shape":[Infinity],"data_offsets":[0,8]}'), "header-json", "a"),
     Case("lone-surrogate-name", _text('"\\ud800":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'), "header-json"),   # the name itself is invalid: quoted in the message, not a tensor
     Case("lone-surrogate-unknown-field", _text(HDR + ',"x":"\\ud800"}'), "header-json", "a"),
     Case("lone-trailing-surrogate-metadata", _text('"__metadata__":{"k":"\\udc00"},' + HDR + "}"), "header-json"),
-    Case("number-out-of-range", _text(HDR + ',"x":1e400}'), "header-json"),
-    Case("integer-out-of-range", _text(HDR + ',"x":-1' + "0" * 400 + "}"), "header-json"),
+    Case("number-out-of-range", _text(HDR + ',"x":1e400}'), "header-json", "a"),
+    Case("integer-out-of-range", _text(HDR + ',"x":-1' + "0" * 400 + "}"), "header-json", "a"),
     Case("nesting-too-deep", _text(HDR + ',"x":' + "[" * 126 + "]" * 126 + "}"), "header-json", "a"),
     Case("json-array", build("[]"), "header-not-object"),
     Case("json-string", build('"x"'), "header-not-object"),
@@ -158,6 +158,13 @@ STRICTER_CASES = [
     Case("duplicate-unknown-field", _text(HDR + ',"x":1,"x":2}'), "duplicate-key", "a"),
     Case("entry-as-array", build({"a": ["F32", [2], [0, 8]]}, D8), "tensor-entry", "a"),
     Case("dtype-as-enum-map", build(_t(dtype={"F32": None}), D8), "unknown-dtype", "a"),
+    # numpy's limits (at most 64 dims; dims and the bytes of the non-zero ones below 2**63)
+    Case("65-dims", build({"a": entry("U8", [1] * 65, 0)}, b"\x01"), "shape-limits", "a"),
+    Case("200-empty-dims", build({"a": entry("F32", [0] * 200, 0)}), "shape-limits", "a"),
+    Case("empty-with-dim-2^63", build({"a": entry("U8", [0, 2**63], 0)}), "shape-limits", "a"),
+    Case("empty-with-dim-u64-max", build({"a": entry("BOOL", [2**64 - 1, 0], 0)}), "shape-limits", "a"),
+    Case("empty-dims-over-2^63-bytes", build({"a": entry("F32", [0, 2**62, 2], 0)}), "shape-limits", "a"),
+    Case("empty-f64-dims-over-2^63-bytes", build({"a": entry("F64", [2**60, 0], 0)}), "shape-limits", "a"),
 ]
 
 
@@ -194,6 +201,9 @@ ACCEPT = {
     "unpadded-header-length": build({"a": entry("U8", [3], 0)}, b"xyz"),
     "f4-and-f6-packed": build({"p": entry("F4", [2, 2], 0), "q": entry("F6_E3M2", [4], 2), "r": entry("F4", [2], 5)},
                               bytes(range(6))),
+    "64-dims": build({"a": entry("U8", [1] * 64, 0), "z": entry("U8", [0] * 64, 1)}, b"\x07"),
+    "empty-at-numpy-limits": build({"a": entry("U8", [0, 2**63 - 1], 0), "b": entry("F32", [2**61 - 1, 0], 0),
+                                    "c": entry("I16", [2**31, 0, 2**30 - 1], 0)}),
 }
 
 # What our numpy arrays hold for each dtype (independent of foxhunt_stream.format.dtypes).

@@ -1,0 +1,272 @@
+"""JSON values checked as serde_json reads them, without building them: the values of fields
+the safetensors format ignores must still be JSON the reference takes.
+
+Rules (serde_json's, and our stricter one): valid JSON, containers nested at most
+MAX_JSON_DEPTH deep, numbers that fit a double, no lone surrogate escape, and no key twice in an
+object (serde keeps the last). ``skip_value`` is iterative and holds only the keys of the open
+objects; runs of small values go through one regex match each, so a field of 33 million empty
+arrays costs about what its text does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import sys
+from json.decoder import scanstring
+
+from ..errors import FormatError
+
+MAX_JSON_DEPTH = 127   # serde_json's recursion limit: the 128th nested '[' or '{' is an error
+
+# Patterns. Possessive quantifiers (Python 3.11+) keep the regex engine from saving a backtracking
+# point per repetition: a run of 33 million array elements then matches in constant memory.
+_P = "+" if sys.version_info >= (3, 11) else ""
+POSSESSIVE = _P   # for patterns built elsewhere: "+" where re has possessive quantifiers
+WS = "[ \t\n\r]*" + _P
+STRING = r'"[^"\\\x00-\x1f]*' + _P + r'(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*' + _P + ")*" + _P + '"'
+NUMBER = r"-?(?:0|[1-9][0-9]*" + _P + r")(?:\.[0-9]+" + _P + r")?(?:[eE][-+]?[0-9]+" + _P + ")?"
+# numbers no double can overflow: at most 200 integer digits and a positive exponent below 100
+_SAFE_NUMBER = (r"-?(?:0|[1-9][0-9]{0,199}" + _P + r")(?:\.[0-9]+" + _P + r")?(?:[eE](?:-[0-9]+" + _P
+                + r"|\+?[0-9]{1,2}" + _P + r"))?(?![-+.eE0-9])")
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+# a high surrogate escape not followed by a low one, or a low one not preceded by a high one
+_LONE_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+_WS_RE = re.compile(WS)
+_SCALAR = re.compile("(" + STRING + ")|(" + NUMBER + ")|true|false|null")
+_SAFE_NUMBER_RE = re.compile(_SAFE_NUMBER)
+
+
+_FLAT_LEVELS = 6   # containers nested in one _flat_value
+_TOO_DEEP_TO_MATCH = "[" * (_FLAT_LEVELS + 1)
+_KEY_CHECK_SPAN = 1 << 20   # the most text whose repeated keys one json.loads call checks
+
+
+def _flat_value(ws: str, members: int) -> str:
+    """One JSON value no deeper than _FLAT_LEVELS, whose containers hold at most 64 values (an
+    object: at most ``members``, so with 1 no key can repeat) and whose numbers are safe. It
+    checks every rule but nesting depth (the caller's), lone surrogates (``strings``) and, with
+    ``members`` > 1, repeated keys (_no_repeated_key)."""
+    scalar = "(?:" + STRING + "|true|false|null|" + _SAFE_NUMBER + ")"
+    value = scalar
+    for _ in range(_FLAT_LEVELS):
+        member = STRING + ws + ":" + ws + value + ws
+        obj = (r"\{" + ws + "(?:" + member + r")?\}" if members == 1 else
+               r"\{" + ws + "(?:" + member + "(?:," + ws + r'(?=")|(?=\})))' + "{0,%d}" % members + _P + r"\}")
+        value = ("(?:" + r"\[\]|\{\}|\[" + ws + "(?:" + value + ws + "(?:," + ws + r"(?!\])|(?=\])))" + "{0,64}" + _P
+                 + r"\]|" + obj + "|" + scalar + ")")
+    return value
+
+
+@functools.cache
+def _flat_patterns() -> tuple[tuple[re.Pattern, re.Pattern, bool], ...]:
+    """(a value, a run of array elements each followed by a comma, may repeat a key), in the
+    order to try them: compact JSON whose objects hold one member (nothing to check, no space to
+    match between tokens: about twice as fast), then any. A run is up to 4096 elements (64 where
+    keys are to be checked). Compiled on first use: most headers never need them."""
+    out = []
+    for members, ws, longest in ((1, "", 4096), (64, WS, 64)):
+        value = _flat_value(ws, members)
+        run = "(?:" + value + ws + "," + ws + "){0,%d}" % longest + _P
+        out.append((re.compile(value), re.compile(run), members > 1))
+    return tuple(out)
+
+
+def json_error(message: str, pos: int, tensor: str | None = None) -> FormatError:
+    return FormatError("header-json", f"header is not valid JSON: {message} at char {pos}", tensor=tensor)
+
+
+def ws_end(text: str, pos: int) -> int:
+    return _WS_RE.match(text, pos).end()
+
+
+def lone_surrogate(text: str, start: int = 0, end: int | None = None) -> int:
+    """Where the first lone surrogate escape in the JSON ``text[start:end]`` is, or -1. (Escapes
+    pair from the left: each escaped backslash is blanked first, so that "\\\\ud800", a backslash
+    and then text, is no escape.)"""
+    m = _LONE_SURROGATE.search(text[start:end].replace("\\\\", "  "))
+    return -1 if m is None else start + m.start()
+
+
+def check_string(text: str, start: int, end: int, tensor: str | None) -> None:
+    """No lone surrogate escape in ``text[start:end]`` (the raw JSON of strings)."""
+    pos = lone_surrogate(text, start, end)
+    if pos >= 0:
+        raise FormatError("header-json", f"string has a lone surrogate escape {text[pos:pos + 6]!r} at char {pos}",
+                          tensor=tensor)
+
+
+def read_key(text: str, pos: int, tensor: str | None, strings: bool) -> tuple[str, int]:
+    """The object key at ``pos`` and where its value starts (past the ':')."""
+    if not text.startswith('"', pos):
+        raise json_error("expecting a property name in double quotes", pos, tensor)
+    try:
+        key, end = scanstring(text, pos + 1)
+    except json.JSONDecodeError as e:
+        raise json_error(e.msg, e.pos, tensor) from None
+    if strings:
+        check_string(text, pos, end, tensor)
+    end = ws_end(text, end)
+    if not text.startswith(":", end):
+        raise json_error("expecting ':' delimiter", end, tensor)
+    return key, ws_end(text, end + 1)
+
+
+class _RepeatedKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list) -> None:
+    """json's object hook for _no_repeated_key: raises on a repeated key, else builds nothing."""
+    if len(pairs) > 1:
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedKey(key)
+            seen.add(key)
+
+
+def _no_repeated_key(text: str, start: int, end: int, run: bool, tensor: str | None) -> bool:
+    """Whether no object in ``text[start:end]`` (a value, or a run of elements each followed by a
+    comma) repeats a key; False when the span is too long to check in one json call (its values
+    are then read one by one). A repeated key is the FormatError."""
+    if text.find(":", start, end) < 0:
+        return True
+    if end - start > _KEY_CHECK_SPAN:
+        return False
+    try:
+        json.loads("[" + text[start:end] + "0]" if run else text[start:end], object_pairs_hook=_unique_keys)
+    except _RepeatedKey as e:
+        raise FormatError("duplicate-key", f"key {e.args[0]!r} appears twice in one object", tensor=tensor) from None
+    except ValueError:   # (the patterns take only JSON: should json disagree, the values are read one by one)
+        return False
+    return True
+
+
+def _flat_end(text: str, pos: int, level: int, run: bool, strings: bool, tensor: str | None) -> int:
+    """Past the _flat_value at ``pos`` (``run``: the array elements followed by a comma) whose
+    container would be at ``level``; ``pos`` itself if there is none."""
+    if not _P or level + _FLAT_LEVELS - 1 > MAX_JSON_DEPTH:
+        return pos   # (without possessive quantifiers, a long run would hold a backtracking point per value)
+    if text.startswith(_TOO_DEEP_TO_MATCH, pos):
+        return pos   # sure to fail, after going _FLAT_LEVELS deep: a chain of arrays goes by _OPENS
+    for value, elements, repeats in _flat_patterns():
+        m = (elements if run else value).match(text, pos)
+        if m and m.end() > pos and (not repeats or _no_repeated_key(text, pos, m.end(), run, tensor)):
+            if strings:
+                check_string(text, pos, m.end(), tensor)
+            return m.end()
+    return pos
+
+
+def _run_end(text: str, pos: int, level: int, strings: bool, tensor: str | None) -> int:
+    """Past the array elements at ``pos`` (at ``level``) that are _flat_values followed by a comma."""
+    while True:
+        end = _flat_end(text, pos, level, True, strings, tensor)
+        if end == pos:
+            return pos
+        pos = ws_end(text, end)   # (a compact run stops at the space after its last comma)
+
+
+def _scalar_end(text: str, pos: int, strings: bool, tensor: str | None) -> int:
+    m = _SCALAR.match(text, pos)
+    if not m:
+        raise json_error("expecting a value", pos, tensor)
+    if m.group(1) is not None and strings:
+        check_string(text, pos, m.end(), tensor)
+    elif m.group(2) is not None and not _SAFE_NUMBER_RE.fullmatch(m.group(2)) and math.isinf(float(m.group(2))):
+        raise FormatError("header-json", f"number {m.group(2)[:20]}... is out of range", tensor=tensor)
+    return m.end()
+
+
+_OPENS = re.compile(r"\[(?:[ \t\n\r]*\[)*")
+_CLOSES = re.compile(r"\](?:[ \t\n\r]*\])*")
+
+
+def _nth(text: str, char: str, pos: int, n: int) -> int:
+    """Where the ``n``-th ``char`` from ``pos`` is (the caller knows there are that many)."""
+    for _ in range(n):
+        pos = text.index(char, pos) + 1
+    return pos - 1
+
+
+def _too_deep(pos: int, tensor: str | None) -> FormatError:
+    return FormatError("header-json", f"JSON nests deeper than {MAX_JSON_DEPTH} levels at char {pos}", tensor=tensor)
+
+
+def skip_value(text: str, pos: int, level: int, tensor: str | None, strings: bool) -> int:
+    """Where the JSON value at ``pos`` ends, checked as serde_json checks a value it ignores, and by
+    our stricter rules, without building it: valid JSON, containers nested at most MAX_JSON_DEPTH
+    deep (``level``: the depth the value's own container would have), no key twice in an object,
+    numbers that fit a double, and (``strings``: some string of the text may hold one) no lone
+    surrogate escape. A problem is a FormatError naming ``tensor``.
+
+    Iterative, with a stack of the open containers (None for an array, the set of its keys for an
+    object); runs of small values go through one regex match each (_flat_patterns), so a long
+    array costs about what its text does and holds nothing of it."""
+    stack: list[set | None] = []
+    expect_value = True
+    while True:
+        if expect_value:
+            depth = level + len(stack)
+            end = _flat_end(text, pos, depth, False, strings, tensor)
+            if end > pos:
+                pos = end
+            elif text.startswith("[", pos):   # arrays opened in a row are taken at once: a chain of
+                opened = _OPENS.match(text, pos)  # them costs no more than one
+                n = opened.group().count("[")
+                if depth + n - 1 > MAX_JSON_DEPTH:
+                    raise _too_deep(_nth(text, "[", pos, MAX_JSON_DEPTH - depth + 2), tensor)
+                pos = ws_end(text, opened.end())
+                stack.extend([None] * n)
+                if text.startswith("]", pos):
+                    pos += 1
+                    stack.pop()
+                else:
+                    pos = _run_end(text, pos, depth + n, strings, tensor)
+                    continue
+            elif text.startswith("{", pos):
+                if depth > MAX_JSON_DEPTH:
+                    raise _too_deep(pos, tensor)
+                pos = ws_end(text, pos + 1)
+                if text.startswith("}", pos):
+                    pos += 1
+                else:
+                    key, pos = read_key(text, pos, tensor, strings)
+                    stack.append({key})
+                    continue
+            else:
+                pos = _scalar_end(text, pos, strings, tensor)
+        # a value ends at pos
+        if not stack:
+            return pos
+        pos = ws_end(text, pos)
+        keys = stack[-1]
+        if text.startswith(",", pos):
+            pos = ws_end(text, pos + 1)
+            if keys is None:
+                pos = _run_end(text, pos, level + len(stack), strings, tensor)
+            else:
+                key, pos = read_key(text, pos, tensor, strings)
+                if key in keys:
+                    raise FormatError("duplicate-key", f"key {key!r} appears twice in one object", tensor=tensor)
+                keys.add(key)
+            expect_value = True
+        elif keys is None and text.startswith("]", pos):   # as many closing as arrays are open
+            closed = _CLOSES.match(text, pos).group().count("]")
+            n = 1
+            while n < closed and n < len(stack) and stack[-n - 1] is None:
+                n += 1
+            del stack[-n:]
+            pos = _nth(text, "]", pos, n) + 1
+            expect_value = False
+        elif keys is not None and text.startswith("}", pos):
+            stack.pop()
+            pos += 1
+            expect_value = False
+        else:
+            raise json_error(f"expecting ',' or {']' if keys is None else '}'!r}", pos, tensor)

@@ -32,7 +32,7 @@ class Destinations:
         self._make = make
         self.buffers: list[Buffer | None] = buffers if buffers is not None else [None] * n
         self.arrays: list = arrays if arrays is not None else [None] * n
-        self._locks = [threading.Lock() for _ in range(n)] if make is not None else []
+        self._lock = threading.Lock()   # one for all: a destination is made once, mostly by the allocating thread
 
     @classmethod
     def allocate(cls, framework: Framework, plan: LoadPlan, device: Device | Sequence[Device]) -> "Destinations":
@@ -56,7 +56,7 @@ class Destinations:
     def buffer(self, d: int) -> Buffer:
         b = self.buffers[d]
         if b is None:
-            with self._locks[d]:
+            with self._lock:
                 b = self.buffers[d]
                 if b is None:
                     arr, b = self._make(d)

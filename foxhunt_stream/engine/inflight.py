@@ -91,6 +91,8 @@ class LoadInFlight:
             dev: (CudaTarget(dev.index, s.chunk_bytes, s.n_slots, threads) if dev.is_cuda
                   else HostTarget(s.chunk_bytes, min(s.n_slots, threads)))
             for dev in dests.devices}
+        self._target_of = [self._targets[dev] for dev in dests.devices_of]   # per destination (no hashing per chunk)
+        self._waiting = 0   # callers in wait_dest: only then is a landed destination announced
         self.started = time.perf_counter()
         log.debug("load: %d tensors, %d bytes, %d chunks, %d threads, chunk %d, staging %d, backends %s",
                   len(plan.destinations), plan.nbytes, len(plan.chunks), threads, s.chunk_bytes,
@@ -107,12 +109,11 @@ class LoadInFlight:
 
     def _work(self, worker: int, chunk):
         d = chunk.dest
-        dev = self.dests.devices_of[d]
         inspect = self.check.inspector(d, chunk.run) if self.check is not None else None
         # a GPU chunk is read into pinned staging before its destination is needed: the
         # allocation (if this worker overtook the allocating thread) overlaps the read
         buf = self.dests.buffers[d] or functools.partial(self.dests.buffer, d)
-        return self._targets[dev].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect)
+        return self._target_of[d].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect)
 
     def _worker_done(self, worker: int) -> None:
         for t in self._targets.values():
@@ -142,7 +143,8 @@ class LoadInFlight:
                 self.check.landed(d, self.dests.buffer(d), self._copies(d), self.per_dest)
             with self._landing:
                 self._landed[d] = 1
-                self._landing.notify_all()
+                if self._waiting:
+                    self._landing.notify_all()
         self.progress.update(chunk.run.nbytes)
 
     def _copies(self, d: int) -> list:
@@ -153,8 +155,12 @@ class LoadInFlight:
         """Block until destination ``d`` has fully landed (its copies complete; a copy's event may
         also stand for a few later copies of the same worker)."""
         with self._landing:
-            while not self._landed[d] and not self.job.done():
-                self._landing.wait(0.05)
+            self._waiting += 1
+            try:
+                while not self._landed[d] and not self.job.done():
+                    self._landing.wait(0.05)
+            finally:
+                self._waiting -= 1
             landed = self._landed[d]
         if not landed:
             self.finish()   # raises the job's error

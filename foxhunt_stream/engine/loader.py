@@ -89,7 +89,7 @@ def prepare(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, device
     if policies is None:
         strided = {sel.file for sel in sels if isinstance(sel.index, tuple) and len(sel.index) > 1}
         with _gone_is_replaced():
-            policies = read_policies(ck.paths, span_bytes(sels, len(ck.paths)), strided,
+            policies = read_policies(ck.paths, lambda: span_bytes(sels, len(ck.paths)), strided,
                                      [h.file_size for h in ck.headers], s, streams=order == "whole")
     gpu = any(dev.is_cuda for dev in per)
     plan = plan_load(sels, s.chunk_bytes, verifier.granule if verifier is not None else 1, files=policies or (),

@@ -58,10 +58,6 @@ class LoadPlan:
     def nbytes(self) -> int:
         return sum(d.nbytes for d in self.destinations)
 
-    @property
-    def max_span(self) -> int:
-        return max((c.run.span for c in self.chunks), default=0)
-
     def dest_order(self) -> list[int]:
         """Destinations in the order the pipeline first reaches them (their first chunk's place)."""
         return list(dict.fromkeys(c.dest for c in self.chunks))

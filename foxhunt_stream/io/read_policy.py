@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 from . import pagecache
 from .source import FileSource, open_source, stream_of
@@ -115,13 +115,16 @@ def decide(resident: Sequence[float], needs: Sequence[int], strided: Collection[
     return out
 
 
-def read_policies(paths: Sequence[str], needs: Sequence[int], strided: Collection[int], sizes: Sequence[int],
-                  s: "Settings", streams: bool = True) -> list[ReadPolicy]:
+def read_policies(paths: Sequence[str], needs: Sequence[int] | Callable[[], Sequence[int]], strided: Collection[int],
+                  sizes: Sequence[int], s: "Settings", streams: bool = True) -> list[ReadPolicy]:
     """``decide`` on what the system says now: each file's residency sampled once (``mincore``),
-    whether a prefetch is filling it, and the memory available (asked only when a file is cold)."""
+    whether a prefetch is filling it, and the memory available (asked only when a file is cold).
+    ``needs`` may be a function: it is called only when the budget is (a cold file)."""
     resident = [pagecache.resident_fraction(p) for p in paths]
     busy = [pagecache.prefetching(p) for p in paths]
     cold = s.direct_io == "auto" and any(r < MOSTLY_RESIDENT for r in resident)
+    if callable(needs):
+        needs = needs() if cold else [0] * len(paths)
     return decide(resident, needs, strided, busy, sizes, s, available_memory() if cold else None, streams)
 
 

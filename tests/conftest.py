@@ -21,6 +21,15 @@ if HERE not in sys.path:
 
 
 @pytest.fixture
+def short_switches():
+    """A 10 us thread switch interval for the test: races between threads become likely."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(old)
+
+
+@pytest.fixture
 def torch():
     """torch, or a skip where it is not installed."""
     return pytest.importorskip("torch")

@@ -33,7 +33,6 @@ import numpy as np
 
 from .. import __version__
 from .. import settings as _settings
-from ..cuda import runtime as cudart
 from ..cuda.devices import CPU, Device, check_device, cupy, parse_device
 from ..io.checkpoint import Checkpoint, open_checkpoint
 from . import ceilings as ce

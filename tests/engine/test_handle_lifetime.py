@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import sys
 import threading
 import time
 
@@ -42,14 +41,6 @@ def fds_of(path) -> int:
         except OSError:
             pass
     return n
-
-
-@pytest.fixture
-def short_switches():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    yield
-    sys.setswitchinterval(old)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ number, so a load mixing two saves raises no format error of its own: only the v
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 
@@ -36,14 +35,6 @@ def saves_in(out: dict[str, np.ndarray]) -> set[int]:
         assert (a == a[0]).all()
         values.add(int(a[0]))
     return values
-
-
-@pytest.fixture
-def short_switches():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    yield
-    sys.setswitchinterval(old)
 
 
 def _run(threads: list[threading.Thread]) -> None:

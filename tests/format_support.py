@@ -343,3 +343,21 @@ def _structure(buf, rng):
 
 
 _MUTATORS = (_flip, _byte, _splice, _length, _tail, _tokens, _tokens, _structure, _structure, _structure)
+
+
+def bounded(n: int):
+    """Hypothesis settings for a property test of ``n`` examples, sized for a 2-core CI box."""
+    from hypothesis import HealthCheck, settings
+    return settings(max_examples=n, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def our_verdict(buf: bytes):
+    """Our verdict on a whole file's bytes: the Header, or the FormatError (anything else raises)."""
+    from foxhunt_stream.errors import FormatError
+    from foxhunt_stream.format.header import parse_header
+    try:
+        return parse_header(buf, len(buf))
+    except FormatError as e:
+        assert e.rule and e.path is None
+        return e

@@ -21,31 +21,17 @@ import tracemalloc
 from pathlib import Path
 
 import safetensors
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import foxhunt_stream as fs
 from foxhunt_stream import FormatError
 from foxhunt_stream.format.dtypes import DTYPES
-from foxhunt_stream.format.header import TensorInfo, check_size, parse_header, tensor_info, tile_data_region
-from format_support import (BITS, MAX_DIMS, build, documented_stricter, expected_bytes, mutate, reference_verdict,
+from foxhunt_stream.format.header import TensorInfo, check_size, tensor_info, tile_data_region
+from format_support import (BITS, bounded, our_verdict, MAX_DIMS, build, documented_stricter, expected_bytes, mutate, reference_verdict,
                             seed_files)
 
 SEEDS = seed_files()
-
-
-def bounded(n: int) -> settings:
-    return settings(max_examples=n, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-def _ours(buf: bytes):
-    """Our verdict on a whole file's bytes: the Header, or the FormatError (anything else raises)."""
-    try:
-        return parse_header(buf, len(buf))
-    except FormatError as e:
-        assert e.rule and e.path is None
-        return e
 
 
 def _check_accepted(header, buf: bytes) -> None:
@@ -83,7 +69,7 @@ headers = st.dictionaries(st.text(max_size=4), entries | json_values, max_size=4
 @bounded(400)
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes(buf):
-    result = _ours(buf)
+    result = our_verdict(buf)
     if not isinstance(result, FormatError):
         _check_accepted(result, buf)
 
@@ -92,7 +78,7 @@ def test_arbitrary_bytes(buf):
 @given(headers | json_values, st.binary(max_size=48))
 def test_arbitrary_json_headers(obj, data):
     buf = build(json.dumps(obj), data)
-    result = _ours(buf)
+    result = our_verdict(buf)
     if not isinstance(result, FormatError):
         _check_accepted(result, buf)
     _same_verdict_as_reference(buf, result)
@@ -101,7 +87,7 @@ def test_arbitrary_json_headers(obj, data):
 @bounded(300)
 @given(mutated_files)
 def test_mutated_files_parse_or_raise_format_error(buf):
-    result = _ours(buf)
+    result = our_verdict(buf)
     if not isinstance(result, FormatError):
         _check_accepted(result, buf)
 
@@ -130,7 +116,7 @@ def test_memory_stays_linear_in_the_input(buf):
     """No allocation follows a size the header claims: peak memory is bounded by the input's size."""
     tracemalloc.start()
     try:
-        _ours(buf)
+        our_verdict(buf)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -142,7 +128,7 @@ def test_memory_stays_linear_in_the_input(buf):
 @bounded(1000)
 @given(mutated_files)
 def test_differential_against_the_reference(buf):
-    _same_verdict_as_reference(buf, _ours(buf))
+    _same_verdict_as_reference(buf, our_verdict(buf))
 
 
 def _same_verdict_as_reference(buf: bytes, ours) -> None:
@@ -158,7 +144,7 @@ def _same_verdict_as_reference(buf: bytes, ours) -> None:
 @bounded(60)
 @given(mutated_files)
 def test_differential_metadata_when_both_accept(buf):
-    ours = _ours(buf)
+    ours = our_verdict(buf)
     if isinstance(ours, FormatError) or not reference_verdict(buf).ok:
         return
     with tempfile.TemporaryDirectory() as d:
@@ -177,7 +163,7 @@ def test_mutators_reach_every_verdict():
     rules, accepted = set(), 0
     for i in range(3000):
         buf = _mutated(i, rnd, 1 + i % 3)
-        result = _ours(buf)
+        result = our_verdict(buf)
         if isinstance(result, FormatError):
             rules.add(result.rule)
         else:

@@ -25,35 +25,22 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import foxhunt_stream as fs
 from foxhunt_stream import FormatError
 from foxhunt_stream.format.header import parse_header
 from foxhunt_stream.format.json_scan import MAX_JSON_DEPTH
-from format_support import build, documented_stricter, reference_verdict
+from format_support import bounded, our_verdict, build, documented_stricter, reference_verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = '"dtype":"U8","shape":[2],"data_offsets":[0,2]'
 DATA = b"\x01\x02"
 
 
-def bounded(n: int) -> settings:
-    return settings(max_examples=n, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-def _ours(buf: bytes):
-    try:
-        return parse_header(buf, len(buf))
-    except FormatError as e:
-        assert e.rule and e.path is None
-        return e
-
-
 def _agrees_with_the_reference(buf: bytes):
-    ours, ref = _ours(buf), reference_verdict(buf)
+    ours, ref = our_verdict(buf), reference_verdict(buf)
     if isinstance(ours, FormatError):
         assert not ref.ok or documented_stricter(ours, buf), f"we reject what the reference accepts: {ours}"
         return ours

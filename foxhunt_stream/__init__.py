@@ -61,7 +61,9 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is not None:
         module, _, attr = module.partition(":")   # "module:attr" where the names differ
-        value = getattr(importlib.import_module(f".{module}", __name__), attr or name)
+        from .collector import paused   # a first load's imports: no collection (see collector)
+        with paused():
+            value = getattr(importlib.import_module(f".{module}", __name__), attr or name)
         globals()[name] = value   # next time: a plain attribute
         return value
     if not name.startswith("_"):

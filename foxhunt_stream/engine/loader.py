@@ -15,7 +15,7 @@ import functools
 import warnings
 from typing import Any, Mapping, MutableMapping, NamedTuple, Sequence
 
-from .. import settings as _settings
+from .. import collector, settings as _settings
 from ..cuda.devices import CPU, Device, check_device
 from ..errors import FormatError, StoreMismatchError
 from ..format.dtypes import host_shape
@@ -25,7 +25,7 @@ from ..io import pagecache
 from ..io.checkpoint import Checkpoint, Names, open_checkpoint, select
 from ..io.read_policy import ReadPolicy, read_policies
 from ..io.source import FileSource
-from . import staging
+from .staging import start_pinning
 from .destinations import Destinations
 from .frameworks import expected_host_dtype, framework_of
 from .handle import LoadHandle
@@ -138,24 +138,18 @@ _REOPEN_ATTEMPTS = 3
 def reopen_if_replaced(fn):
     """Start a load over when a file was replaced between its header read and its opening (a
     concurrent atomic save renamed a new version over it): the new version is read from scratch.
-    Nothing has been allocated on a device or written to a store by then."""
+    Nothing has been allocated on a device or written to a store by then. The garbage collector
+    is held off meanwhile (``collector``)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         for attempt in range(_REOPEN_ATTEMPTS):
             try:
-                return fn(*args, **kwargs)
+                with collector.paused():
+                    return fn(*args, **kwargs)
             except FormatError as e:
                 if e.rule != "file-replaced" or attempt == _REOPEN_ATTEMPTS - 1:
                     raise
     return wrapper
-
-
-def start_pinning(devices: Device | Sequence[Device], s: _settings.Settings) -> None:
-    """Start pinning the staging memory of the GPUs a load will use, beside its setup (a no-op
-    once pinned: a process's first load is the one that pays)."""
-    for dev in sorted({devices} if isinstance(devices, Device) else set(devices), key=str):
-        if dev.is_cuda:
-            staging.prepare(dev.index, s.chunk_bytes, s.n_slots, s.threads)
 
 
 @reopen_if_replaced

@@ -25,7 +25,8 @@ from ..io.checkpoint import Names, open_checkpoint, select
 from ..io.read_policy import read_policies
 from .destinations import Destinations
 from .inflight import LoadInFlight
-from .loader import close_all, open_sources, prepare, reopen_if_replaced, selections, start_pinning
+from .loader import close_all, open_sources, prepare, reopen_if_replaced, selections
+from .staging import start_pinning
 from .placement import placement
 from .progress import progress_bar
 

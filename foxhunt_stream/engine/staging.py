@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from ..io.source import ALIGN
+from ..cuda.devices import Device
 from . import workers
+
+if TYPE_CHECKING:
+    from ..settings import Settings
 
 
 @dataclass(eq=False, slots=True)
@@ -234,3 +238,11 @@ def prepare(device_index: int, chunk_bytes: int, n_slots: int, threads: int) -> 
     threads, beside the caller; nothing when it is pinned already. A load calls this first thing,
     so that its workers find their slots pinned, or being pinned, when they start."""
     pinned_pool(device_index, slot_bytes(chunk_bytes), n_slots).fill_async(threads)
+
+
+def start_pinning(devices: Device | Sequence[Device], s: Settings) -> None:
+    """Start pinning the staging memory of the GPUs a load will use, beside its setup (a no-op
+    once pinned: a process's first load is the one that pays)."""
+    for dev in sorted({devices} if isinstance(devices, Device) else set(devices), key=str):
+        if dev.is_cuda:
+            prepare(dev.index, s.chunk_bytes, s.n_slots, s.threads)

@@ -66,18 +66,21 @@ class _Reading(NamedTuple):
 
 
 def _plain_header_pattern() -> re.Pattern:
-    """The form every writer produces: an object of tensor entries holding exactly dtype (a string
-    without ':' or escapes), shape and data_offsets (arrays of number characters), in any order,
-    and of string-to-string maps (``__metadata__``). It checks form, not validity: ``json`` does."""
+    """The form every writer produces: an object of tensor entries holding three of the fields
+    dtype (a string without ':' or escapes), shape and data_offsets (arrays of number characters),
+    in any order, and of string-to-string maps (``__metadata__``). It checks form, not validity:
+    ``json`` does."""
     p, ws = POSSESSIVE, WS
     string = r'"[^"\\]*' + p + r'(?:\\.[^"\\]*' + p + ")*" + p + '"'
     array = (r"\[" + ws + "(?:[-+.eE0-9]+" + p + "(?:" + ws + "," + ws + "[-+.eE0-9]+" + p + ")*" + p + ")?"
              + ws + r"\]")
     fields = ['"dtype"' + ws + ":" + ws + r'"[^"\\:]*' + p + '"', '"shape"' + ws + ":" + ws + array,
               '"data_offsets"' + ws + ":" + ws + array]
-    orders = [(a, b, c) for a in range(3) for b in range(3) for c in range(3) if len({a, b, c}) == 3]
-    entry = (r"\{" + ws + "(?:" + "|".join((ws + "," + ws).join(fields[i] for i in o) for o in orders) + ")"
-             + ws + r"\}")
+    # three fields, each any of the three: an entry that repeats one (and so lacks another) has
+    # fewer members built than ':' in its text, and is read member by member (one alternation
+    # instead of the six orders compiles in a third of the time, at every process's first load)
+    field = "(?:" + "|".join(fields) + ")"
+    entry = r"\{" + ws + field + "(?:" + ws + "," + ws + field + "){2}" + ws + r"\}"
     pair = string + ws + ":" + ws + string
     string_map = r"\{" + ws + "(?:" + pair + "(?:" + ws + "," + ws + pair + ")*" + p + ")?" + ws + r"\}"
     member = string + ws + ":" + ws + "(?:" + entry + "|" + string_map + ")"

@@ -100,6 +100,9 @@ REJECT = [
     Case("duplicate-metadata", _text('"__metadata__":{},"__metadata__":{},' + HDR + "}"), "duplicate-key"),
     Case("duplicate-dtype-field", _text(HDR + ',"dtype":"F32"}'), "duplicate-key", "a"),
     Case("duplicate-offsets-field", _text(HDR + ',"data_offsets":[0,8]}'), "duplicate-key", "a"),
+    # three fields in writer form, one of them twice (so one missing)
+    Case("duplicate-field-of-three", _text('"a":{"dtype":"F32","shape":[2],"dtype":"F32"}'), "duplicate-key", "a"),
+    Case("triple-field", _text('"a":{"shape":[2],"shape":[2],"shape":[2]}'), "duplicate-key", "a"),
     # entries: an object with dtype, shape, data_offsets
     Case("entry-null", build({"a": None}), "tensor-entry", "a"),
     Case("entry-string", build({"a": "F32"}), "tensor-entry", "a"),

@@ -1,22 +1,10 @@
-"""The code a start reads, so that a prefetch can read it first on the next start.
+"""The code a start reads, so that a prefetch can read it first on the next start (docs/startup.md).
 
-A cold start spends most of its time importing torch and transformers from a disk that a
-prefetch of the weights is also reading: every read of the imports then waits behind the
-prefetch's queue. Reading the imports' own files first, in the order they are needed, makes the
-imports find them in memory. Two ways to know them:
-
-* ``module_files(packages)``: every shared library and bytecode file of the named packages
-  (found with ``importlib.util.find_spec``, which imports nothing) - coarse, GBs for torch;
-* an import trace: ``record_imports(path)`` at the end of one start writes what that process
-  actually loaded (``loaded_files``: bytecode in import order, the touched ranges of each shared
-  library, and, after ``watch_opens``, the other files and directories its Python code read);
-  ``read_trace(path)`` gives them back to the next start's ``prefetch(..., imports=path)``.
-
-Besides the files' bytes, the imports wait for directory listings and inodes: a prefetch lists
-and stats them ahead too (``prefetch_metadata``, ``prefetch_record_metadata``).
-
-Pure helpers (``order_loaded_files``, ``merge_ranges``, ``present_runs``, ``format_trace``,
-``parse_import_trace``) are tested without any I/O.
+Two ways to know it: ``module_files(packages)``, every shared library and bytecode file of the
+named packages (coarse: GBs for torch), or an import trace that ``record_imports(path)`` writes at
+the end of one start (``loaded_files``) and ``read_trace(path)`` gives back to the next start's
+``prefetch(..., imports=path)``. Directory listings and inodes are fetched ahead too
+(``prefetch_metadata``, ``prefetch_record_metadata``).
 """
 
 from __future__ import annotations
@@ -35,9 +23,7 @@ MODULE_SUFFIXES = (".so", ".pyc", ".pyd", ".dylib")
 def module_files(modules: Sequence[str]) -> list[tuple[str, int]]:
     """The files an import of each top-level package would read: its shared libraries and
     bytecode (``(path, size)``, packages in the order given, biggest files first within each).
-    Found with ``importlib.util.find_spec``, which imports nothing; unknown names are skipped.
-    For a cold start: reading torch's libraries (GBs) ahead of ``import torch`` in big reads is
-    faster than the import's own page faults, and keeps the checkpoint's reads off its path."""
+    Found with ``importlib.util.find_spec``, which imports nothing; unknown names are skipped."""
     import importlib.util
     import sys
     tag = sys.implementation.cache_tag or ""
@@ -321,23 +307,14 @@ def record_imports(path: str | os.PathLike) -> int:
     libraries are listed with the byte ranges this process touched (``mapped_libraries``).
 
     Call it once the model has answered (the first forward loads cuBLAS and friends too)."""
+    from ..io.sink import write_small   # numpy: a trace is recorded long after the prefetch
     libraries = mapped_libraries()
     opened, dirs = opened_files()
     files = loaded_files(libraries, opened)   # one look at the process: the two cannot disagree
     text = format_trace(files + [d + os.sep for d in dirs], libraries)
-    path = os.fspath(path)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    try:
-        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:   # any file name
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_small(path, text.encode("utf-8", "surrogateescape"), fsync=False)   # any file name
     return len(files)
 
 
@@ -394,11 +371,6 @@ def read_trace(path: str | os.PathLike) -> tuple[list[CodeFile], list[str]]:
     return out, dirs
 
 
-def trace_files(path: str | os.PathLike) -> list[CodeFile]:
-    """``read_trace``'s files only."""
-    return read_trace(path)[0]
-
-
 def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> tuple[list[CodeFile], list[str]]:
     """What a prefetch reads before the checkpoint: the import trace's files in its order, then
     the named packages' files not already listed (whole); and the trace's directories."""
@@ -444,7 +416,7 @@ def dist_records(files: Sequence[str]) -> list[str]:
     """The ``RECORD`` files of installed distributions among ``files``. ``importlib.metadata``'s
     ``Distribution.files`` reads one and then stats every file it lists (``packages_distributions()``
     does so for each distribution without a ``top_level.txt``; transformers calls it at import):
-    on an H200 machine with 16 vCPU, cold, ~1.2-5 s of ``import transformers`` waited for those inodes."""
+    cold, ~1.2-5 s of ``import transformers`` waited for those inodes."""
     return [p for p in files if os.path.basename(p) == "RECORD" and os.path.dirname(p).endswith(".dist-info")]
 
 

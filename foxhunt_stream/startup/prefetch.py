@@ -1,28 +1,13 @@
-"""Filling the page cache with a checkpoint before its load: ``prefetch``.
+"""Filling the page cache with a checkpoint before its load: ``prefetch`` (docs/startup.md).
 
-An inference server spends its first seconds importing torch and starting CUDA, while the disk
-sits idle. ``prefetch(source)`` needs neither torch nor cupy, so it can be the very first
-statement of the process: it reads the checkpoint's headers, then reader threads (a
-``pipeline.Job`` of ``readers.PieceReaders``) pull the selected bytes into the page cache -
-``sendfile`` into /dev/null, so nothing is copied and a reader takes the GIL back once per call,
-not once per small read - and a later load finds its bytes in memory. Files already resident are
-skipped. While a prefetch of a file is in flight the loader does not choose O_DIRECT for it
-(``pagecache.warming``), so the two read through the same cache instead of racing for the disk,
-and a load that starts lifts the prefetch's pacing (``pagecache.loading``).
-
-What decides a cold start is not the weights but the imports running meanwhile: each of their
-reads waits behind whatever the prefetch keeps queued on the disk. So the code the imports need
-is read first (``modules=`` packages, or an ``imports=`` trace of an earlier start: see
-``importtrace`` and ``code_files``), and the weights then follow (``priority="idle"``) with a
-shallow queue: files advised ``POSIX_FADV_RANDOM`` (no readahead: the kernel queues twice
-``read_ahead_kb`` per reader otherwise, whatever the step, see ``IDLE_READ_MODE``), 1 MiB per
-call, read by a helper process (``helper_process``) so that ~10^3 calls a second take none of
-this process's GIL; or at a set rate (``max_rate``). Either way until the load begins. On an H200
-machine with 16 vCPU, cold, a read of the imports waited 0.1-0.3 ms behind that queue against ~7 ms
-behind readahead. With an import trace and ``wait_imports()``, a cold start of
+``prefetch(source)`` needs neither torch nor cupy, so it can be a server's first statement:
+reader threads (a ``pipeline.Job`` of ``readers.PieceReaders``) pull the selected bytes into the
+page cache with ``sendfile`` into /dev/null, and a later load finds them in memory; the two learn
+of each other through ``pagecache`` (the load reads through the cache and lifts the pacing). The
+code the imports need is read first (``code_files``), then the weights with a shallow queue until
+the load begins (``priority="idle"``). With an import trace and ``wait_imports()``, a cold start of
 ``fs.transformers.from_pretrained`` took 0.83 s more than imports, CUDA and the empty model
-alone, against 12.95 s more for transformers' ``from_pretrained`` (``benchmarks/RESULTS.md``,
-startup).
+alone, against 12.95 s more for transformers' (``benchmarks/RESULTS.md``, startup).
 """
 
 from __future__ import annotations
@@ -59,16 +44,10 @@ PRIORITIES = ("idle", "normal")
 DEFAULT_THREADS = 8    # readers when the caller names none (at most the loader's thread count)
 IDLE_THREADS = 8       # ... with priority="idle", in the helper process: 8 x 1 MiB queued at most
 IDLE_THREADS_IN_PROCESS = 2   # ... in this process (helper_process=False): each takes our GIL back per step
-# How idle readers read the checkpoint until a load of it begins (from then on: sendfile, and
-# the kernel's readahead):
-#   "sendfile-readahead"     sendfile; the kernel's readahead behind it keeps up to twice
-#                            read_ahead_kb queued on the disk per reader, whatever the step;
-#   "sendfile-no-readahead"  sendfile, the files advised POSIX_FADV_RANDOM: each reader has about
-#                            one step queued;
-#   "pread-no-readahead"     the same, each step read through a buffer (a copy) instead.
-# On an H200 machine with 16 vCPU, a cold start with an import trace and the helper process took
-# 15.8-16.2 s with "sendfile-no-readahead" against 20.0-25.4 s with "sendfile-readahead"
-# (benchmarks/RESULTS.md, startup).
+# How idle readers read the checkpoint until a load of it begins: sendfile with the kernel's
+# readahead (up to twice read_ahead_kb queued per reader), sendfile with the files advised
+# POSIX_FADV_RANDOM (one step queued), or the same through a buffer. A cold start with an import
+# trace took 15.8-16.2 s with "sendfile-no-readahead" against 20.0-25.4 s with readahead (H200).
 IDLE_READ_MODE = "sendfile-no-readahead"
 IDLE_READ_MODES = ("sendfile-readahead", "sendfile-no-readahead", "pread-no-readahead")
 
@@ -196,20 +175,16 @@ class PrefetchHandle:
         return self._bytes_done
 
     def _first_step(self) -> int:
-        """Bytes per read until a load of the files begins. Idle or paced readers take small
-        steps: the kernel's readahead behind one 64 MiB ``sendfile`` keeps the disk's queue full,
-        and every read the imports still do waits behind it (on an H200 machine with 16 vCPU, cold:
-        ``import transformers`` 16.3 s instead of 9.5 s with 4 MiB steps)."""
+        """Bytes per read until a load of the files begins: small for idle or paced readers (cold,
+        ``import transformers`` took 16.3 s beside 64 MiB steps, 9.5 s beside 4 MiB ones)."""
         if self.priority != "idle" and self._max_rate is None:
             return FAST_BYTES
         return IDLE_STEP if self._helper and self._no_readahead else PACED_BYTES
 
     def _threads_job(self) -> Job:
-        """The checkpoint's readers as threads of this process. Each piece gets a ``WILLNEED``
-        hint (the kernel queues the whole piece at once), but not at idle priority: on an H200
-        machine (16 vCPU), 4 readers' 8 MiB hints kept ~32 MiB queued on the disk ahead of every
-        page fault of the imports running meanwhile, and ``import transformers`` took 21.7 s cold
-        instead of 9.6 s; 1 MiB reads from 2 readers queue ~2 MiB."""
+        """The checkpoint's readers as threads of this process, each piece hinted ``WILLNEED``
+        but not at idle priority (4 readers' 8 MiB hints made a cold ``import transformers`` take
+        21.7 s instead of 9.6 s)."""
         readers = PieceReaders(self._sources, lambda: self._job.cancelled(), step=self._first_step(),
                                fast_step=FAST_BYTES, idle=self.priority == "idle",
                                hint=self._method == "advise" or self.priority != "idle",
@@ -330,10 +305,8 @@ class PrefetchHandle:
 
     def wait_imports(self, timeout: float | None = None) -> None:
         """Block until the code files (``imports=`` / ``modules=``) are read and their metadata
-        prefetched; the checkpoint's bytes go on in the background. A start that imports after
-        this imports from memory: on an H200 machine with 16 vCPU, cold, ``import torch,
-        transformers`` took 12.9-13.5 s this way against 16.3-18.4 s with nothing read ahead and
-        11.7 s hot (``benchmarks/cold_imports.py``). Returns at once when there were no code files."""
+        prefetched; the checkpoint's bytes go on in the background. Cold, ``import torch,
+        transformers`` then took 12.9-13.5 s against 16.3-18.4 s with nothing read ahead."""
         if self._code is not None:
             self._code.wait(timeout)
 
@@ -380,33 +353,20 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     """Start filling the page cache with a checkpoint's bytes; returns at once with a handle.
 
     ``source`` and ``names`` are as in ``load_file`` (``names=None``: whole files). ``method``:
-    ``"read"`` (read each piece: done() means resident) or ``"advise"`` (``posix_fadvise
-    (WILLNEED)`` only: no reads, but the kernel may still be reading after done()). Files already
-    fully resident are skipped (``skip_resident``), and so are the files a load would read around
-    the page cache, which would not stay in it (``io.read_policy``; listed in ``skipped``).
-    Options as for the loader: ``threads``
-    (readers; default the loader's count, at most 8), ``chunk_bytes`` (the piece each reader
-    takes at a time). ``priority``: ``"idle"`` (the startup case: the readers' I/O in the idle
-    class, ``set_idle_io_priority``; their files' readahead off, ``IDLE_READ_MODE``; 8 readers of
-    1 MiB per call in the helper process, or 2 of 4 MiB here: at most ~8 MiB queued on the disk
-    ahead of an import's read - on an H200 machine it waited 0.2-0.3 ms there, against 6-8 ms
-    behind readahead - until a load of the files begins) or ``"normal"`` (8 readers, each piece
-    hinted, 64 MiB per call: fill the cache as fast as the disk goes).
-    ``modules``: top-level packages the process is about to import (``("torch", "nvidia",
-    "transformers")``), whose libraries and bytecode are read first (``module_files``).
-    ``imports``: a trace written by ``fs.record_imports`` at an earlier start: exactly the files
-    that start loaded (and the touched parts of each shared library), read first in the order
-    they were needed, by 8 hinted readers at normal priority (on a hot start - a sample of them
-    resident - only the big ones still missing); a missing trace (the first start) reads nothing
-    extra. Passing it also starts noting what this start opens (``watch_opens``) for the next
-    trace. ``max_rate``: at most this many bytes per second of the checkpoint (not of the code
-    files), until a load of its files starts or ``unthrottle()``. ``helper_process``: the
-    checkpoint's bytes are read by a child process (``python -m
-    foxhunt_stream.startup.helper_process``, same readers, steps and pacing) so that its reads
-    never take this process's GIL from the imports; the code files are still read here first.
-    Default (None): yes for ``priority="idle"`` with ``method="read"``. The distributions'
-    ``RECORD`` files in a trace have the files they list stat'ed beside the imports
-    (``prefetch_record_metadata``), there or on a thread here. Needs neither torch nor cupy.
+    ``"read"`` (done() means resident) or ``"advise"`` (``posix_fadvise(WILLNEED)`` only). Files
+    already resident are skipped (``skip_resident``), and so are those a load would read around
+    the page cache (``io.read_policy``; listed in ``skipped``). Options as for the loader:
+    ``threads`` (readers; default the loader's count, at most 8), ``chunk_bytes`` (a piece).
+    ``priority``: ``"idle"`` (the readers' I/O in the idle class, their files' readahead off, 8
+    readers of 1 MiB per call in the helper process or 2 of 4 MiB here, until a load begins) or
+    ``"normal"`` (8 hinted readers of 64 MiB per call). ``modules``: top-level packages about to be
+    imported, whose libraries and bytecode are read first (``module_files``). ``imports``: a trace
+    written by ``fs.record_imports`` at an earlier start, its files read first in their order (a
+    missing trace reads nothing extra); passing it also notes what this start opens for the next
+    trace (``watch_opens``). ``max_rate``: at most this many bytes per second of the checkpoint
+    until a load begins or ``unthrottle()``. ``helper_process``: the checkpoint read by a child
+    process, so its reads never take this process's GIL (default: with ``priority="idle"`` and
+    ``method="read"``). Needs neither torch nor cupy (docs/startup.md).
     """
     helper_process = _check_arguments(method, priority, max_rate, helper_process, modules)
     s = _settings.merge(**options)

@@ -2,22 +2,12 @@
 ``save``, ``load_model``, ``save_model`` and the helpers other libraries import from it), same
 signatures, plus ``materialize`` for meta-built modules.
 
-``load_model`` differs from the reference in where the bytes go: instead of loading a second
-copy of every tensor and handing it to ``load_state_dict``, it passes the module's own
-parameters and buffers to ``load_into`` as the destination, so the weights land in place (on
-whatever device each tensor lives) with no second allocation. Only tensors that cannot take the
-bytes as they are - another dtype (cast, as ``load_state_dict`` does), non-contiguous, a device
-the pipeline does not write to, or a state-dict entry that is not a parameter or buffer of the
-module - go through a temporary and ``load_state_dict``.
-
-Shared (tied) tensors follow the reference rules exactly: ``save_file`` and ``save`` refuse
-tensors that share memory; ``save_model`` keeps one name per shared storage and records the
-dropped ones in the metadata; ``load_model`` fills the kept name and reports the others neither
-missing nor (unless the file has them) unexpected. Non-contiguous tensors are saved (row by row),
-where the reference refuses them.
-
-Importing this module imports torch. The machinery is in ``models.torch_load`` and
-``models.torch_state``; this module is the drop-in surface.
+``load_model`` lands the weights in the module's own parameters and buffers (``load_into``), with
+no second copy; only tensors that cannot take the bytes as they are (another dtype, not
+contiguous...) go through a temporary and ``load_state_dict``. Shared tensors follow the
+reference's rules; non-contiguous tensors are saved (row by row), where the reference refuses
+them. Importing this module imports torch; the machinery is in ``models.torch_load`` and
+``models.torch_state``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Checksum blocks hashed where the bytes already are: xxh3-64 block digests on the GPU.
 
-Why: on an H200 machine with 16 vCPU ``verify=True`` hashing on the host cost +29-41% of a hot
-load (benchmarks/RESULTS.md, verify): the host's memory bandwidth is what the page-cache reads
-already use up, and hashing is one more read of every byte. The GPU's memory has bandwidth to
-spare, so the landed bytes can be hashed there instead, block by block, many blocks at once.
-
-The digest is XXH3-64 with seed 0 and the default secret (the same value python-xxhash's
-``xxh3_64_intdigest`` gives), written from the algorithm's specification for inputs longer than
-240 bytes; shorter blocks (a tensor's last block can be any size) are hashed on the host. Two
-implementations of the same steps: ``xxh3_64_long`` (numpy, vectorized over blocks: the
-reference, checked against python-xxhash in the tests) and a CUDA kernel (``block_digests``),
-checked against the reference on a GPU.
-
-Used by ``load_file(..., verify=True)`` on a GPU (``verify_on="auto"``, the default, or
-``"landed"``; integrity.Verifier.landed / landed_batch): a plain load hashes every tensor in one
-launch once its copies are done (``spans_digests`` over a table of every block), ``tensors()`` and
-background handles each tensor as it lands. Checked on an H200 (tests/cuda/test_cuda_digest.py,
-the GPU tests of tests/integrity/test_checksums.py): digests equal python-xxhash's; verify=True
-costs +1-5% of a hot 16 GB load this way against +33-47% hashing on the host
-(benchmarks/RESULTS.md, verify).
+Hashing on the host is one more read of every byte over the memory bandwidth the page-cache reads
+already use; on the GPU ``verify=True`` costs +1-5% of a hot 16 GB load against +33-47% on the
+host (docs/architecture.md, ``verify_on``). The digest is XXH3-64 with seed 0 and the default
+secret, written from the specification for inputs longer than 240 bytes (shorter blocks are
+hashed on the host), twice: ``xxh3_64_long`` (numpy, vectorized over blocks: the reference,
+checked against python-xxhash) and a CUDA kernel (``spans_digests``), checked against it.
 """
 
 from __future__ import annotations

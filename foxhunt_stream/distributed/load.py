@@ -1,38 +1,13 @@
 """Load once, share over torch.distributed: each rank reads only its part of a checkpoint.
 
-``load_file(..., framework="pt", process_group=pg)`` on every rank of ``pg`` runs in four phases:
-
-1. agree on the selection: every rank opens the checkpoint and selects its names; the selections
-   (and any error) are all-gathered, so ranks asking for different subsets agree on one plan and
-   cannot deadlock; ``ownership.plan_exchange`` splits the tensors some rank wants whole across
-   the ranks by size (deterministic: the same answer whatever order the files were listed in);
-2. start: each rank starts reading the tensors it owns, and its own tensor-parallel slices,
-   through the ordinary pipeline (``engine.loader.load_file(background=True)``) onto its own
-   device, and allocates the tensors it will receive; allocation errors are all-gathered before
-   any broadcast;
-3. the exchange: the owners broadcast their tensors as they land, taking turns, in windows of at
-   most ``exchange_bytes`` (the smallest any rank asked for): small tensors of one owner are
-   packed into one window, big ones go in pieces straight into the receivers' tensors. A rank
-   that does not want a tensor still takes part in its broadcast and drops the bytes. From the
-   first broadcast on, a rank that fails (a read error, a checksum) keeps taking part, sending or
-   dropping junk;
-4. finish and agree: the outcome is all-gathered at the end: an error on one rank raises
-   ``DistributedLoadError`` on every rank instead of leaving the others waiting.
-
-Tensor parallel (``shard=TPSlice(rank, world_size, dim)``): a tensor split by a rank's slice is
-read by that rank alone, only its slice (its rows, or for a later dim the row span the columns
-cover), straight into its result: nobody else needs those bytes, so nothing is exchanged. Only
-the tensors a rank wants whole (``dim`` None: replicated) go through owners and broadcasts. If
-ranks disagree (one wants a slice of a tensor another wants whole), the owner reads it whole and
-takes its own slice out of that.
-
-Memory: an owner holds each tensor it owns from its landing until it is sent (at most about
-1/world_size of what is wanted whole) plus one exchange window; a receiver's wanted tensors land
-in place. Ownership is per tensor, so one tensor larger than total/world_size leaves the split
-uneven.
-
-Time limits: a rank that hangs or dies (rather than raising) is bounded by the process group's
-own timeout (``init_process_group(timeout=...)``), the only clock the collectives honour.
+``load_file(..., framework="pt", process_group=pg)`` on every rank of ``pg`` runs in four phases
+(docs/tensor-parallel.md): 1. agree on the selection (all-gathered; ``ownership.plan_exchange``
+splits what some rank wants whole across the ranks); 2. start each rank's reads of what it owns
+and of its own TP slices (``engine.loader.load_file(background=True)``), and allocate what it
+receives; 3. the owners broadcast in windows of at most ``exchange_bytes`` as their tensors land
+(a rank that fails from then on keeps taking part, sending or dropping junk); 4. agree on the
+outcome: an error on one rank raises ``DistributedLoadError`` on every rank. A rank that hangs
+or dies is bounded only by the process group's own timeout.
 """
 
 from __future__ import annotations

@@ -75,19 +75,12 @@ def _in_memory_fs(directory: str) -> bool:
 class AtomicFile:
     """Write a file of known size at ``path`` through a temp file; ``commit`` publishes it.
 
-    Two ways to put bytes in it. ``pwrite``: positional writes, which the kernel serializes per
-    file (one inode lock), so threads do not add up. ``mmap``: the space is reserved first with
-    fallocate (a full disk or a size limit fails here, cleanly, instead of as SIGBUS later), then
-    threads copy into a shared mapping in parallel; measured on an H200 machine (16 vCPU), a fresh
-    /dev/shm file took 2.5-3.0 GB/s by pwrite and 5.3-6.0 GB/s by mmap (benchmarks/RESULTS.md).
-    Each write maps only its own window and unmaps it at once, so the process's RSS stays flat.
-    ``auto`` maps files of at least 64 MiB on tmpfs/ramfs written by at least 8 threads
-    (``writers``), where fallocate works; everything else uses pwrite. Measured on a 2-vCPU Xeon
-    KVM guest (2 writers, benchmarks/RESULTS.md): mmap was 1.3-1.9x slower than pwrite into
-    /dev/shm and 3-9x slower into a new file on ext4 with fsync=False (plausibly because each
-    first touch of a page of a fallocated file is a fault into the filesystem); the mapping only
-    pays off when many threads copy at once, and a disk filesystem was never measured faster by
-    mmap.
+    Two ways to put bytes in it: ``pwrite`` (positional writes, serialized by the kernel per
+    file), or ``mmap`` (the space reserved with fallocate first, so that a full disk fails here
+    and not as a SIGBUS, then each write copies into a mapping of its own window). ``auto`` maps
+    files of at least 64 MiB on tmpfs/ramfs written by at least 8 threads (``writers``): a fresh
+    /dev/shm file took 2.5-3.0 GB/s by pwrite and 5.3-6.0 GB/s by mmap on the H200 machine, while
+    with 2 writers mmap was 1.3-9x slower (docs/architecture.md, ``write_backend``).
     """
 
     def __init__(self, path: str | os.PathLike, size: int, fsync: bool = True, backend: str = "auto",

@@ -12,18 +12,12 @@ Backends behind one small interface:
 * ``direct`` - ``O_DIRECT`` reads of page-aligned spans into aligned buffers, bypassing the page
   cache (for cold files); the bytes wanted are a view into the over-read span.
 
-A file the disk is filling the page cache with (a cold one read through the cache) may be read as
-a few sequential streams (``FileSource.read_in_streams``), each a stretch of the file read through
-a descriptor of its own: the kernel's readahead, which keeps its state per descriptor, then sees
-sequential reads and fills the cache in large folios (up to 2 MiB), where many workers reading side
-by side through one descriptor look random to it and leave 4-16 KiB folios. Large folios make the
-next start's column gathers out of a mapping faster (fewer faults and unmaps).
-
-A copy out of a mapping re-checks the file's size first, so a file truncated before it is a
-FormatError; one truncated in place during the copy ends the process with SIGBUS (``pread``
-never maps). Every source counts what it read (``bytes_read``): the bytes of a positional read,
-the bytes of the pages a gather touches (``mapping.touched_bytes``). Tests use it to prove that
-unselected bytes are never read.
+A cold file read through the cache may be read as a few sequential streams, a descriptor each
+(``FileSource.read_in_streams``), so that the kernel's readahead fills the cache in large folios
+(docs/architecture.md, ``direct_io``). A copy out of a mapping re-checks the file's size first (a
+file truncated before it is a FormatError, during it a SIGBUS). Every source counts what it read
+(``bytes_read``; a gather: the pages it touches), which tests use to prove that unselected bytes
+are never read.
 """
 
 from __future__ import annotations
@@ -82,12 +76,9 @@ class FileSource:
     backend = "pread"
     direct_reads = True   # can read straight into any host buffer (no alignment constraints)
     identity: tuple | None = None   # file_identity when its header was read (set by the loader)
-    # The file is being read from the disk into the page cache: after each read, pass the range
-    # through the cache once more (sendfile to /dev/null: no copy), so the kernel counts its pages
-    # in use twice and moves them to its active list now, while the reads wait on the disk. A
-    # restart then reads them at the hot rate: on an H200 machine (Linux 6.18), the second load
-    # after a cold one ran at 0.68x a later one; the first access of a cached page only marks it,
-    # the second moves it between the kernel's lists, under a lock all the readers share.
+    # Read from the disk into the page cache: each range passed through the cache once more
+    # (sendfile to /dev/null), so the kernel moves its pages to its active list now and a restart
+    # reads them hot (without it, the load after a cold one ran at 0.68x a later one).
     promote: bool = False
 
     def __init__(self, path: str | os.PathLike, expected_size: int | None = None, gather: bool = False) -> None:

@@ -1,13 +1,9 @@
 """The code a start imports, read before the weights (``prefetch(..., imports=, modules=)``).
 
-A cold start waits for its imports, not for its weights. ``TracedCodeReader`` reads the files an
-import trace lists (``importtrace``), or whole packages, with 8 hinted readers at normal priority
-(``readers.read_range``, best effort), lists their directories and stats their inodes on a
-thread beside them (``prefetch_metadata``), and then runs what was asked to follow (``then``: the
-weights' readers). It is started before anything heavy is imported: this module, ``readers`` and
-``importtrace`` import no numpy, so ``fs.prefetch``'s code readers are already fetching numpy's
-own files (they lead the trace) while the calling thread imports numpy to parse the checkpoint's
-headers.
+``TracedCodeReader`` reads the files of an import trace (``importtrace``), or whole packages,
+with 8 hinted readers at normal priority, stats their directories and inodes beside them, then
+runs what follows (``then``: the weights' readers). Imports no numpy: the readers fetch numpy's
+own files (they lead the trace) while the caller imports it.
 """
 
 from __future__ import annotations
@@ -45,13 +41,9 @@ def sample_resident(paths: Sequence[str], k: int = RESIDENT_SAMPLE) -> bool:
 
 class TracedCodeReader:
     """Reads the code files of the ``imports`` trace and of the ``modules`` packages on its own
-    threads, starting now.
-
-    ``wait()`` returns once they are read and their metadata prefetched (``PrefetchHandle.
-    wait_imports``); ``then(fn)`` runs ``fn`` when the reads are over (at once if they are);
-    ``cancel()`` stops the readers after their current piece. ``paths`` and ``nbytes``: what was
-    read; ``records``: the distributions' ``RECORD`` files among them
-    (``importtrace.prefetch_record_metadata``)."""
+    threads, starting now. ``wait()``: until they are read and their metadata prefetched;
+    ``then(fn)``: ``fn`` once the reads are over; ``cancel()``: stop after the current piece.
+    ``paths`` and ``nbytes``: what was read; ``records``: the ``RECORD`` files among them."""
 
     def __init__(self, modules: Sequence[str], imports: str | None, piece_bytes: int,
                  skip_resident: bool = True, advise_only: bool = False) -> None:

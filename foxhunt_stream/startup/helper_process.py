@@ -1,11 +1,8 @@
 """A prefetch's checkpoint reads in a child process (``prefetch(..., helper_process=True)``).
 
-Reader threads in the importing process take its GIL back after every ``sendfile`` call; on an
-H200 machine with 16 vCPU, cold, ``import transformers`` took 15-16 s beside them against 7.2-7.8 s
-after the same code prefetch with nothing streaming, while a stream in *another* process slowed
-a hot import by only 3-11%. ``ChildJob`` runs the same readers (``readers.PieceReaders``) on the
-same pieces in ``python -m foxhunt_stream.startup.helper_process``: its reads never touch this
-process's GIL.
+Reader threads in the importing process take its GIL back after every ``sendfile`` call (cold,
+``import transformers`` took 15-16 s beside them, 7.2-7.8 s without), so ``ChildJob`` runs the
+same readers on the same pieces in ``python -m foxhunt_stream.startup.helper_process``.
 
 The protocol, one line each way: the parent writes the job as JSON, then ``fast`` when a load of
 the files begins (big steps, no rate cap); closing the child's stdin stops it. The child writes

@@ -1,16 +1,10 @@
 """The page-cache reader: how every read of ``startup/`` brings a file's bytes into memory.
 
-One loop, ``read_range``, serves the three readers of a start: the checkpoint's reader threads
-in this process and in the helper process (both through ``PieceReaders``, the work of a
-``pipeline.Job``), and the readers of the code files an import trace lists (``code_files``).
-Each step of a range is one ``FileSource.fill_cache`` call: ``sendfile`` into /dev/null where it
-works (no copy, and the GIL is released for the whole step), else ``pread`` into a scratch
-buffer. What differs between the callers is a parameter: the step (small while the imports run,
-big once a load begins), a ``Pacer`` (``max_rate``), cancellation, a ``WILLNEED`` hint per
-range, and whether a failed read is an error (the checkpoint) or ends the range quietly (a code
-file: the import reads its own files and reports its own errors).
-
-This module imports no numpy: the code readers start before the caller has imported it.
+One loop, ``read_range``, serves the checkpoint's readers (``PieceReaders``, in this process or
+the helper process) and the code files' (``code_files``): each step is one
+``FileSource.fill_cache`` call (``sendfile`` into /dev/null, else ``pread`` into a scratch
+buffer); the callers differ only in its parameters. Imports no numpy: the code readers start
+before the caller has imported it.
 """
 
 from __future__ import annotations
@@ -134,18 +128,12 @@ def read_range(src: FileSource, offset: int, length: int, scratch: memoryview, *
                hint: bool = False, hint_only: bool = False, best_effort: bool = False,
                count: bool = True) -> bool:
     """Bring ``[offset, offset + length)`` of ``src`` into the page cache, one
-    ``src.fill_cache`` call per ``step()`` bytes (asked again before each step: it grows once a
-    load begins; None: the whole range at once), each step first cleared by ``pacer``.
-
-    ``cancelled()`` is asked before the hint, before every step and after the pacer lets it
-    through: True stops the range and
-    the call returns False (a reader finishes at most the step it is in). ``copy()``: this step
-    through ``scratch`` instead of ``sendfile``. ``hint``: ``posix_fadvise(WILLNEED)`` for the
-    whole range first (the kernel queues all of it at once); ``hint_only``: that and nothing
-    more. ``best_effort``: a failed or short read ends the range quietly instead of raising
-    (OSError, FormatError "file-truncated"). ``count=False``: not a checkpoint's bytes, not
-    counted as read (``FileSource.fill_cache``). Returns True when the range was done (or given
-    up on, ``best_effort``)."""
+    ``src.fill_cache`` call per ``step()`` bytes (asked before each step; None: the whole range),
+    each step first cleared by ``pacer``. ``cancelled()`` true before the hint, a step or after
+    the pacer: stop and return False. ``copy()``: this step through ``scratch``, not ``sendfile``.
+    ``hint``: ``posix_fadvise(WILLNEED)`` for the range first; ``hint_only``: nothing more.
+    ``best_effort``: a failed or short read ends the range quietly. ``count=False``: not counted
+    as read (not a checkpoint's bytes). Returns True when the range was done (or given up on)."""
     if cancelled():
         return False
     if hint or hint_only:
@@ -174,13 +162,10 @@ class PieceReaders:
     """What a prefetch's reader threads do with its checkpoint's pieces: the ``setup`` and
     ``work`` of a ``pipeline.Job``, in this process or in the helper process.
 
-    Until ``go_fast()`` (a load of the files began) the readers take ``step``-byte steps, paced
-    at ``max_rate``; with ``no_readahead`` their files are advised ``POSIX_FADV_RANDOM`` (the
-    kernel then queues about one step per reader instead of twice ``read_ahead_kb``), and with
-    ``copy`` each step is read through a buffer instead of ``sendfile``. After ``go_fast()``:
-    ``fast_step``-byte steps, no pacing, the kernel's readahead. ``idle``: each reader's I/O in
-    the idle class (``set_idle_io_priority``). ``hint``: a ``WILLNEED`` hint per piece;
-    ``hint_only``: nothing more (``prefetch(method="advise")``). ``cancelled()``: the job's."""
+    Until ``go_fast()`` (a load began): ``step``-byte steps paced at ``max_rate``, the files
+    advised ``POSIX_FADV_RANDOM`` with ``no_readahead``, each step through a buffer with ``copy``;
+    after it, ``fast_step``-byte steps, no pacing, the kernel's readahead. ``idle``: the readers'
+    I/O in the idle class. ``hint``: a ``WILLNEED`` hint per piece; ``hint_only``: nothing more."""
 
     def __init__(self, sources: Mapping[int, FileSource], cancelled: Callable[[], bool], *, step: int,
                  fast_step: int, idle: bool, hint: bool, hint_only: bool = False, no_readahead: bool = False,

@@ -37,14 +37,11 @@ def warmup(device="cuda:0", *, background: bool = False, verify: bool = False,
            **options) -> dict[str, float] | WarmupHandle:
     """Pay a load's first-use costs now; returns the seconds each step took.
 
-    For a GPU: importing the CUDA runtime wrapper (``cuda.runtime``), creating the CUDA context,
-    allocating the pinned staging pool (sized by ``chunk_bytes``/``staging_bytes``, and reused
-    by every later load and save with the same settings) and one stream per worker thread. For
-    ``"cpu"``: the host scratch pool. With ``background=True`` it runs on a thread and a
-    WarmupHandle is returned at once, so the work overlaps whatever the caller does next
-    (building the model); a load that starts before it is done waits for the pinned pool instead
-    of allocating a second one. ``verify=True`` also builds the GPU checksum kernel that
-    ``load_file(..., verify=True)`` uses (an NVRTC compile).
+    For a GPU: the CUDA runtime's import, the context, the pinned staging pool (reused by later
+    loads and saves with the same settings) and one stream per worker; for ``"cpu"``: the host
+    scratch pool. ``background=True``: on a thread, a WarmupHandle returned at once (a load that
+    starts meanwhile waits for its pinned pool). ``verify=True`` also builds the GPU checksum
+    kernel (an NVRTC compile).
     """
     from ..cuda.devices import parse_device
 

@@ -1,9 +1,5 @@
-"""The public front door of a load: ``fs.load_file``.
-
-It parses where the tensors go once (``engine.placement``) and hands the load to the engine in
-this process, or, with ``process_group``, to ``distributed`` (every rank of a torch.distributed
-group reads part of the checkpoint and the parts are broadcast).
-"""
+"""The public front door of a load: ``fs.load_file``, handed to the engine in this process or,
+with ``process_group``, to ``distributed``."""
 
 from __future__ import annotations
 

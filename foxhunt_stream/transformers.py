@@ -36,14 +36,11 @@ def from_pretrained(path: str | os.PathLike, device: Any = "cuda:0", model_class
     Other keywords are transformers' own (``attn_implementation``, config overrides,
     ``ignore_mismatched_sizes``, ``output_loading_info`` -- then ``(model, info)``...).
 
-    The load starts once transformers has read the config and imported the model's code (its
-    lazy imports are seconds of pure Python that the load's threads would slow); the model on
-    the meta device, its non-persistent buffers (computed by each architecture's own
-    initialisation) and its ties are made while it runs. The call returns only
-    when every tensor has landed: nothing reachable from the model is ever on the meta device.
-    With ``warm_forward`` (default: on for CUDA) a one-token forward runs while the weights stream
-    in, each module waiting for its own tensors, so the first forward's one-time costs (kernel
-    loading, cuBLAS) are paid during the load; what it changed on the modules is put back.
+    The load starts once transformers has read the config and imported the model's code; the
+    model is built on the meta device and tied while it runs, and the call returns only when
+    every tensor has landed. With ``warm_forward`` (default: on for CUDA) a one-token forward
+    runs while the weights stream in, so the first forward's one-time costs are paid during the
+    load; what it changed on the modules is put back.
 
     Missing, unexpected and mismatched tensors are reported as transformers reports them (its
     load report; a size mismatch raises unless ``ignore_mismatched_sizes``). What this path cannot

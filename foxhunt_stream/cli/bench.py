@@ -1,17 +1,12 @@
 """The built-in benchmark (``python -m foxhunt_stream bench``).
 
-It measures, in one run and on the best device present (a CUDA GPU when cupy finds one, else
-the CPU, saying why a GPU it sees cannot be used): the ceilings of this machine
-(``ceilings``), foxhunt_stream's load and save, and safetensors' (plus, with ``peers=True``,
-the peer loaders that happen to be installed). Every load runs in a new process, as a server's
-(``fresh``): the headline is foxhunt_stream's first load there, with the second in the same
-process beside it. Every figure names the ceiling it is compared
-with, one that does the same work: a load to a GPU against the slower of page cache -> pinned
-and pinned -> device; a save against a write of the same size by the same method (``pwrite``,
-or copies into a mapping where the saver maps), with fsync when the save syncs, and on a GPU
-also against the pinned device -> host copy. Each figure is the median of ``reps`` runs; GB/s =
-bytes / seconds / 1e9. With no source it writes a synthetic bf16 checkpoint with Llama-like
-tensor shapes in a temporary directory.
+It measures, in one run on the best device present (saying why a GPU it sees cannot be used),
+this machine's ceilings (``ceilings``), foxhunt_stream's load and save and safetensors' (with
+``peers=True`` also the peer loaders installed). Every load runs in a new process (``fresh``);
+every figure names the ceiling that does the same work (a load to a GPU: the slower of page
+cache -> pinned and pinned -> device; a save: a write of the same size by the same method). Each
+figure is the median of ``reps`` runs; GB/s = bytes / seconds / 1e9. With no source it writes a
+synthetic bf16 checkpoint with Llama-like shapes in a temporary directory.
 """
 
 from __future__ import annotations

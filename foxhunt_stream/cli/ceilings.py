@@ -1,12 +1,7 @@
 """What this machine allows, measured in the same run as the figures compared with it, and the
-synthetic checkpoint that the benchmarks load.
-
-Each ceiling does the same kind of work as the figures it bounds, minus the library's
-bookkeeping: a threaded host memcpy; positional reads of whole files into reused buffers (the
-page cache, or the disk after a drop); writes of a new file by ``pwrite`` or by copies into a
-shared mapping (what the saver does on tmpfs), with or without ``fsync``; on a GPU, one pinned
-host <-> device copy timed with CUDA events. A figure above its own ceiling is noise, or a
-ceiling that measures something else.
+synthetic checkpoint that the benchmarks load. Each ceiling does the work of the figures it
+bounds minus the library's bookkeeping: a threaded memcpy, ``preadv`` of whole files, writes of a
+new file (``pwrite`` or mapped copies, fsync or not), one pinned host <-> device copy.
 """
 
 from __future__ import annotations
@@ -319,13 +314,9 @@ def write_ceiling(directory: str, nbytes: int, threads: int, reps: int, chunk: i
 
 
 def writer_counts(threads: int, method: str) -> list[int]:
-    """The writer counts a write ceiling tries. The kernel serializes writes to one file (pwrite:
-    its inode lock; mapped copies: mapping and unmapping each window takes the file's mapping lock
-    and interrupts every CPU running a writer), so more writers can cost more than they bring,
-    and a saver, whose writers also wait on the device, may reach more than ``threads`` writers
-    writing flat out: on one H200 machine (16 vCPU), a save into /dev/shm ran at 6.99 GB/s against
-    4.89 for 16 writers of mapped copies. pwrite: 1 and ``threads``; mapped: ``threads``, half and
-    a quarter of them."""
+    """The writer counts a write ceiling tries (pwrite: 1 and ``threads``; mapped: ``threads``,
+    half and a quarter): the kernel serializes writes to one file, so fewer writers can be faster
+    (a save into /dev/shm ran at 6.99 GB/s against 4.89 for 16 writers of mapped copies)."""
     if method == "pwrite":
         return sorted({1, threads})
     return sorted({threads, max(1, threads // 2), max(1, threads // 4)})

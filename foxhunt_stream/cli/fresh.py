@@ -1,11 +1,9 @@
 """One load in a new process, timed as a server meets it: ``run(case, ...)``.
 
-An inference server loads its weights once per process, and each tensor-parallel rank is a
-process of its own, so the load that counts is the first one in a fresh process. ``run`` starts
-this file as a script in a new Python process (so that nothing of foxhunt_stream is imported
-before the clock). On a GPU the child imports torch and makes its CUDA context first, untimed;
-then the clock starts, before the loader's own import, and stops once the tensors are on the
-device. The child prints one line of JSON, which ``run`` returns.
+A server (and each tensor-parallel rank) loads once per process, so ``run`` starts this file as a
+script in a new Python process: on a GPU the child makes its CUDA context first, untimed, then
+the clock runs from before the loader's import until the tensors are on the device. The child
+prints one line of JSON, which ``run`` returns.
 
 Cases: ``foxhunt`` (then a second load in the same process, timed alone), ``tp_llama`` and
 ``tp_rows`` (rank 0 of TP=8: o/down by columns and the rest by rows, or all by rows),

@@ -1,11 +1,8 @@
 """The pipeline: a few worker threads drain one list of work items, in order, with cancellation.
 
-Loads and saves both run here: each worker calls ``work(worker, item)`` for the next item not yet
-taken, then ``on_done``. The first error cancels the rest (workers stop taking items); ``wait``
-joins every worker and re-raises that error. ``Job`` is the one handle type for background work:
-it keeps its sources, buffers and results alive until it is done, and ``on_end`` runs once, on the
-last worker to stop, however the job ended. The workers are threads parked between jobs
-(``workers``), named ``{name}-{worker}`` while they run.
+Each worker calls ``work(worker, item)`` for the next item not yet taken, then ``on_done``; the
+first error cancels the rest and ``wait`` re-raises it; ``on_end`` runs once, on the last worker to
+stop. The workers are threads parked between jobs (``workers``), named ``{name}-{worker}``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """``safe_open``: lazy, random access to a checkpoint, a drop-in for ``safetensors.safe_open``.
 
 The handle reads every header once and keeps the files open; ``get_tensor``, ``get_slice(...)[i]``
-and ``tensors()`` each run a load of just what they ask for (``loader``), so unasked bytes are
-never read. Besides paths it opens file objects and buffers (``io.fileobj``); a slice taken from
-it keeps working after the handle is closed, as in safetensors. A close while a load of the handle
-runs (from another thread, or a ``tensors()`` iterator still being consumed) leaves the files open
-until that load is over: the load returns the right bytes, a load started after the close raises
-the closed-handle error, and no load ever reads a descriptor that was closed (and perhaps reused
-for another file).
+and ``tensors()`` each run a load of just what they ask for, so unasked bytes are never read. A
+slice keeps working after the handle is closed, as in safetensors, and a close while a load runs
+keeps the files open until it is over (``SharedSources``): no load reads a closed descriptor.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The saver: the loader's pipeline backwards. arrays -> (device -> pinned slot) -> file.
 
-The header is computed from shapes and dtypes and written first; then worker threads copy each
-chunk back (device chunks through the shared pinned ring on the worker's stream) and write it at
-its offset, so device-to-host of one chunk overlaps the write of another and host memory stays
-at a few chunks. The file appears atomically (see ``sink``).
-
-A sharded save (``save_file(max_shard_size=)``, and ``save_sharded``, which produces each
-shard's tensors only when that shard is written) goes through one shard writer: the grouping,
-names and index of ``format.shards``, every file written to a temp file, then all renamed into
-place, the index last, and the files of an earlier save that a load of the directory would take
-and this save did not overwrite removed, all under the directory's lock (``sink.commit_all``).
-A save of several shards writes one save id into every shard and the index.
+The header is written first; then worker threads copy each chunk back (device chunks through the
+pinned ring) and write it at its offset, so host memory stays at a few chunks; the file appears
+atomically (``sink``). A sharded save (``save_file(max_shard_size=)``, ``save_sharded``) goes
+through one shard writer, ``_write_shards``.
 """
 
 from __future__ import annotations
@@ -210,9 +203,8 @@ def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None,
                   s.chunk_bytes, s.staging_bytes, sorted({str(src.device) for src in ordered}) or ["-"],
                   s.write_backend, fsync)
         if sink.backend in ("pwrite", "memory") and digests is None and all(src.host is not None for src in ordered):
-            # Bytes already in host memory, written by pwrite: the kernel serializes writes to one
-            # file on its inode lock, so workers add nothing but cost (measured on a 2-vCPU Xeon
-            # KVM guest, 256 MiB, fsync=False: 0.86-0.91x of safetensors through the pool, 0.95x inline)
+            # host bytes written by pwrite, which the kernel serializes per file: workers only cost
+            # (256 MiB, 2 vCPU: 0.86-0.91x of safetensors through the pool, 0.95x inline)
             for item in items:
                 work(0, item)
         else:

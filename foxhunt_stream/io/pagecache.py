@@ -1,12 +1,9 @@
 """The page cache: what is resident, how to fill it without copying, and who is filling it.
 
-``resident_fraction`` samples a file's pages with ``mincore`` (the loader reads a file that is
-mostly cached through the cache, and a prefetch skips files already in memory);
-``sendfile_to_null`` pulls a byte range into the cache with no copy to user space (prefetch
-readers); ``advise`` passes ``posix_fadvise`` hints. The registry at the end is how a running
-prefetch and a starting load learn of each other without importing each other: a prefetch
-registers itself, the loader asks ``prefetching(path)`` (read through the cache, not around it) and
-says ``loading(path)`` (the prefetch drops its pacing: the load now waits for those bytes).
+``resident_fraction`` samples a file's pages with ``mincore``; ``sendfile_to_null`` pulls a byte
+range into the cache with no copy; ``advise`` passes ``posix_fadvise`` hints. The registry at the
+end is how a prefetch and a load learn of each other without importing each other: the loader
+asks ``prefetching(path)`` and says ``loading(path)`` (the prefetch drops its pacing).
 """
 
 from __future__ import annotations
@@ -58,14 +55,11 @@ def _null_fd() -> int:
 
 
 def sendfile_to_null(fd: int, offset: int, length: int, step: int = 64 << 20) -> int | None:
-    """Pull ``[offset, offset+length)`` of ``fd`` into the page cache without copying it anywhere:
-    ``sendfile`` into ``/dev/null`` (the kernel reads the pages, nothing is written). One call per
-    ``step`` bytes, each releasing the GIL for all of it: a reader thread that comes back for the
-    GIL after every 1 MiB ``pread`` makes the main thread wait for it at each of its own system
-    calls (a convoy: ``stat``-heavy imports ran several times slower beside two such readers).
-    Returns the bytes warmed (fewer at end of file, or where ``sendfile`` stopped working part
-    way: the caller reads the rest, and a real read error shows there), or None where
-    ``sendfile`` cannot do this (not Linux, a filesystem without it): read through a buffer."""
+    """Pull ``[offset, offset+length)`` of ``fd`` into the page cache without copying it anywhere
+    (``sendfile`` into ``/dev/null``), one call per ``step`` bytes, each releasing the GIL for all
+    of it (readers that take it back per 1 MiB ``pread`` slowed ``stat``-heavy imports several
+    times). Returns the bytes warmed (fewer at end of file, or where ``sendfile`` stopped part
+    way), or None where ``sendfile`` cannot do this: read through a buffer then."""
     null = _null_fd() if _devnull != -1 else -1
     if null < 0:
         return None

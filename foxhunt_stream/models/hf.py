@@ -1,12 +1,9 @@
 """transformers' ``from_pretrained`` with the bytes from a foxhunt_stream background load.
 
 The model is built, matched, initialised, tied and reported by transformers' own functions
-(``hf_build``, ``hf_match``), in transformers' order, while the load runs; each loaded tensor
-then takes its place. The call returns only once every tensor has landed: nothing the caller
-can reach is ever on the meta device. On CUDA a one-token forward runs while the weights
-stream in (each module waits for its own), so that the first forward's one-time costs -- CUDA
-kernels loaded on first use, the cuBLAS handle, transformers' first calls -- overlap the load
-instead of following it. What this path cannot serve goes to transformers' own from_pretrained.
+(``hf_build``, ``hf_match``) while the load runs, and returned once every tensor has landed. On
+CUDA a one-token forward runs meanwhile (``warm_up``), so the first forward's one-time costs
+overlap the load. What this path cannot serve goes to transformers' own from_pretrained.
 """
 
 from __future__ import annotations
@@ -36,10 +33,8 @@ REPORT_LOGGER = "transformers.modeling_utils"   # the logger transformers' own l
 
 def prepare(source: CheckpointSource, model_class, dtype, kwargs: dict) -> Recipe:
     """The config, the concrete class and the dtype, found before the load starts (Unservable:
-    transformers' own from_pretrained takes it). Finding the class imports the architecture's
-    modeling code: transformers imports lazily, so this is seconds of pure Python, and a load
-    running beside it takes the GIL from it (on an H200 machine with 16 vCPU, a hot start spent
-    about 2 s more here with the load started first than the whole load takes)."""
+    transformers' own from_pretrained takes it). Finding the class imports the modeling code,
+    seconds of pure Python that a load beside it would slow (by about 2 s on a hot start)."""
     model_class = model_class or transformers.AutoModelForCausalLM
     if dtype is not None:
         kwargs = dict(kwargs, dtype=dtype)

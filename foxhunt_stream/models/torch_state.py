@@ -1,12 +1,9 @@
 """torch module state: which tensors share memory, and putting new tensors into a module.
 
-The shared-tensor rules are safetensors' own: ``find_shared_tensors`` groups names whose bytes
-overlap, ``remove_duplicate_names`` keeps one per group (the alphabetically first covering the
-whole storage), ``check_savable`` refuses what ``save_file`` cannot write. ``foxhunt_stream.torch``
-exports them under safetensors' names (``_find_shared_tensors``, ``storage_ptr``...), which
-transformers and accelerate import. ``tensor_places`` finds every slot a parameter or buffer sits
-in, so that replacing it (``put``, ``swap_tensors``, ``materialize``) keeps tied tensors tied and
-parameters parameters.
+The shared-tensor rules are safetensors' own (``find_shared_tensors``, ``remove_duplicate_names``,
+``check_savable``; ``foxhunt_stream.torch`` exports them under safetensors' names).
+``tensor_places`` finds every slot a parameter or buffer sits in, so that replacing it keeps tied
+tensors tied and parameters parameters.
 """
 
 from __future__ import annotations

@@ -38,6 +38,14 @@ class Framework(Protocol):
     def array_dtype(self, dtype: DType) -> Any: ...
 
 
+def _format_dtype(convert, dtype) -> DType | None:
+    """The format's dtype of an array's element type, None where the format has none."""
+    try:
+        return convert(dtype)
+    except TypeError:
+        return None
+
+
 def _host_bytes(arr: np.ndarray) -> np.ndarray:
     if not arr.flags.c_contiguous:
         raise ValueError("destination array must be C-contiguous")
@@ -73,11 +81,7 @@ class NumpyFramework:
         return Buffer(Device("cpu"), arr.nbytes, host=_host_bytes(arr))
 
     def describe(self, arr) -> tuple[DType | None, tuple[int, ...], Device]:
-        try:
-            dt = from_numpy(arr.dtype)
-        except TypeError:
-            dt = None
-        return dt, tuple(arr.shape), Device("cpu")
+        return _format_dtype(from_numpy, arr.dtype), tuple(arr.shape), Device("cpu")
 
 
 class CupyFramework:
@@ -138,11 +142,7 @@ class CupyFramework:
         return Buffer(Device("cuda", arr.device.id), arr.nbytes, ptr=arr.data.ptr)
 
     def describe(self, arr):
-        try:
-            dt = from_numpy(arr.dtype)
-        except TypeError:
-            dt = None
-        return dt, tuple(arr.shape), Device("cuda", arr.device.id)
+        return _format_dtype(from_numpy, arr.dtype), tuple(arr.shape), Device("cuda", arr.device.id)
 
 
 TORCH_MISSING = ("framework='pt' makes torch tensors and needs torch: pip install torch (on Linux x86_64 a CUDA "
@@ -167,20 +167,17 @@ class TorchFramework:
         self._devices: dict[Device, Any] = {}   # Device -> torch.device, made once
         self._dtypes: dict[str, Any] = {}       # DType.name -> torch dtype, looked up once
 
-    def _torch(self):
-        return import_torch()
-
     def array_dtype(self, dtype: DType):
         """The torch dtype of ``dtype`` (sub-byte types and types torch lacks: uint8)."""
         return self.torch_dtype(dtype)
 
     def torch_dtype(self, dtype: DType):
-        torch = self._torch()
+        torch = import_torch()
         t = getattr(torch, dtype.torch_name, None) if dtype.torch_name else None
         return t if t is not None else torch.uint8
 
     def empty(self, dtype: DType, shape, device: Device, tensor: str = ""):
-        torch = self._torch()
+        torch = import_torch()
         where = self._devices.get(device)
         if where is None:
             where = self._devices[device] = torch.device(str(device))
@@ -204,13 +201,13 @@ class TorchFramework:
 
     def settle(self, device: Device) -> None:
         """Wait for work queued on torch's current stream of ``device`` (its freed blocks get reused)."""
-        self._torch().cuda.current_stream(device.index).synchronize()
+        import_torch().cuda.current_stream(device.index).synchronize()
 
     def owns(self, x) -> bool:
         return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
     def buffer(self, t) -> Buffer:
-        torch = self._torch()
+        torch = import_torch()
         if not t.is_contiguous():
             raise ValueError("destination tensor must be contiguous")
         nbytes = t.numel() * t.element_size()
@@ -223,12 +220,8 @@ class TorchFramework:
         return Buffer(Device("cuda", t.device.index or 0), nbytes, ptr=t.data_ptr())
 
     def describe(self, t):
-        try:
-            dt = from_torch(t.dtype)
-        except TypeError:
-            dt = None
         dev = Device("cpu") if t.device.type == "cpu" else Device("cuda", t.device.index or 0)
-        return dt, tuple(t.shape), dev
+        return _format_dtype(from_torch, t.dtype), tuple(t.shape), dev
 
 
 _FRAMEWORKS = {"numpy": NumpyFramework, "np": NumpyFramework, "cupy": CupyFramework, "cp": CupyFramework,

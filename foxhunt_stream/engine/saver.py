@@ -88,11 +88,8 @@ def _describe(name: str, x) -> _Source:
         if x.flags.c_contiguous and little:
             return _Source(name, dt, shape, nbytes, Device("cpu"), host=x.reshape(-1).view(np.uint8), keep=x)
         le = x.dtype.newbyteorder("<")
-        if not shape:
-            return _rows_source(name, dt, shape, nbytes,
-                                lambda r0, r1: np.ascontiguousarray(x, dtype=le).reshape(-1).view(np.uint8), x)
-        return _rows_source(name, dt, shape, nbytes,
-                            lambda r0, r1: np.ascontiguousarray(x[r0:r1], dtype=le).reshape(-1).view(np.uint8), x)
+        return _rows_source(name, dt, shape, nbytes, lambda r0, r1: np.ascontiguousarray(
+            x[r0:r1] if shape else x, dtype=le).reshape(-1).view(np.uint8), x)
     if mod.startswith("torch"):
         import torch
         t = x.detach()
@@ -116,9 +113,8 @@ def _describe(name: str, x) -> _Source:
             return u.reshape(-1).view(torch.uint8).numpy() if u.numel() else np.empty(0, np.uint8)
         if t.is_contiguous():
             return _Source(name, dt, shape, nbytes, Device("cpu"), host=to_bytes(t), keep=t)
-        if t.dim() == 0:
-            return _rows_source(name, dt, shape, nbytes, lambda r0, r1: to_bytes(t.contiguous()), t)
-        return _rows_source(name, dt, shape, nbytes, lambda r0, r1: to_bytes(t[r0:r1].contiguous()), t)
+        return _rows_source(name, dt, shape, nbytes,
+                            lambda r0, r1: to_bytes((t[r0:r1] if t.dim() else t).contiguous()), t)
     if mod.startswith("cupy"):
         import cupy as cp
         dt = from_numpy(x.dtype)

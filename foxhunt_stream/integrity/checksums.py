@@ -89,6 +89,13 @@ def check_block(block_bytes: int) -> int:
 
 # ---------------------------------------------------------------- one tensor's digest
 
+def _check_cut(offset: int, n: int, size: int, block: int) -> None:
+    """Bytes ``[offset, offset + n)`` of a ``size``-byte tensor must be cut on ``block``-byte blocks."""
+    if offset % block or (n % block and offset + n != size) or offset + n > size:
+        raise ValueError(f"bytes [{offset}, {offset + n}) of a {size}-byte tensor are not cut on "
+                         f"{block}-byte checksum blocks")
+
+
 class TensorHasher:
     """Block digests of one tensor, filled by any thread in any order; thread-safe."""
 
@@ -107,9 +114,7 @@ class TensorHasher:
         if not isinstance(data, np.ndarray):
             data = np.frombuffer(data, np.uint8)
         n, b = data.nbytes, self.block
-        if offset % b or (n % b and offset + n != self.size) or offset + n > self.size:
-            raise ValueError(f"bytes [{offset}, {offset + n}) of a {self.size}-byte tensor are not cut on "
-                             f"{b}-byte checksum blocks")
+        _check_cut(offset, n, self.size, b)
         fn = self.algo.fn
         return self.add_digests(offset // b, [fn(data[p:p + b]) for p in range(0, n, b)])
 
@@ -148,9 +153,7 @@ class ChunkHasher:
 
     def __init__(self, tensor: TensorHasher, offset: int, nbytes: int, on_complete: Callable[[], None]) -> None:
         b = tensor.block
-        if offset % b or (nbytes % b and offset + nbytes != tensor.size) or offset + nbytes > tensor.size:
-            raise ValueError(f"bytes [{offset}, {offset + nbytes}) of a {tensor.size}-byte tensor are not cut on "
-                             f"{b}-byte checksum blocks")
+        _check_cut(offset, nbytes, tensor.size, b)
         self._tensor, self._first, self._pos, self._end = tensor, offset // b, offset, offset + nbytes
         self._h = None
         self._digests: list[int] = []

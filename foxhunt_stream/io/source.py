@@ -165,13 +165,16 @@ class FileSource:
                            f"read of {want} bytes at offset {offset} returned only {got}: the file is shorter "
                            "than its header says (truncated or changed while loading?)", path=self.path)
 
+    def _failed(self, e: OSError, offset: int, length: int) -> OSError:
+        """A failed read, naming the file and the range."""
+        return OSError(e.errno, f"{self.path}: read of {length} bytes at offset {offset} failed: {e.strerror}")
+
     def _inject(self, offset: int, length: int) -> int | None:
         """Run the test-only fault hook; an OSError it raises reports like a failed read."""
         try:
             return fault_hook(self, offset, length)
         except OSError as e:
-            raise OSError(e.errno, f"{self.path}: read of {length} bytes at offset {offset} failed: "
-                                   f"{e.strerror}") from e
+            raise self._failed(e, offset, length) from e
 
     def check_unchanged(self, rule: str = "file-changed") -> None:
         """FormatError ``rule`` unless the open file is still the one its header was read from:
@@ -202,8 +205,7 @@ class FileSource:
             try:
                 n = os.preadv(fd, [mv[got:limit]], offset + got)
             except OSError as e:
-                raise OSError(e.errno, f"{self.path}: read of {want} bytes at offset {offset} failed: "
-                                       f"{e.strerror}") from e
+                raise self._failed(e, offset, want) from e
             if n == 0:
                 raise self._short(offset, got, want)
             got += n
@@ -242,8 +244,7 @@ class FileSource:
                         break
                     got += n
         except OSError as e:
-            raise OSError(e.errno, f"{self.path}: read of {length} bytes at offset {offset} failed: "
-                                   f"{e.strerror}") from e
+            raise self._failed(e, offset, length) from e
         if got < length:
             raise self._short(offset, got, length)
         if not copy:   # the load that follows reads them at the hot rate (``promote``)

@@ -11,12 +11,12 @@ import json
 import math
 import mmap
 import os
-import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from ..engine.pipeline import Job
 from ..format.plan import in_turn
 from ..io.checkpoint import INDEX_NAME
 from ..io.pagecache import resident_fraction
@@ -187,29 +187,9 @@ def measure(fn: Callable[[], Any], reps: int, before: Callable[[], Any] | None =
 
 
 def parallel(items: Sequence[Any], work: Callable[[int, Any], None], threads: int) -> None:
-    """``work(worker, item)`` for every item on ``threads`` plain threads, each taking the next
-    item as it finishes one; the first error is raised once all have stopped."""
-    it = iter(items)
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def loop(worker: int) -> None:
-        while not errors:
-            with lock:
-                item = next(it, None)
-            if item is None:
-                return
-            try:
-                work(worker, item)
-            except BaseException as e:
-                errors.append(e)
-    pool = [threading.Thread(target=loop, args=(w,), daemon=True) for w in range(max(1, threads))]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    if errors:
-        raise errors[0]
+    """``work(worker, item)`` for every item on ``threads`` worker threads (a ``pipeline.Job``),
+    each taking the next item as it finishes one; the first error is raised once all have stopped."""
+    Job(items, work, max(1, threads), name="foxhunt-ceiling").start().wait()
 
 
 def pieces(total: int, chunk: int) -> list[tuple[int, int]]:

@@ -80,8 +80,7 @@ def make_synthetic(directory: str, size_bytes: int | None = None, shards: int = 
     or the directory when sharded, with its ``model.safetensors.index.json``).
 
     ``shapes``: (name, shape) pairs, by default ``llama_shapes(size_bytes)``. The values are bf16
-    draws of N(0, 0.02) from one pool that each tensor views at its own offset, so memory stays at
-    the largest tensor whatever the checkpoint's size, and a forward pass sees plausible weights.
+    draws of N(0, 0.02) from one pool each tensor views at its own offset (memory: the largest).
     """
     from .. import save_file
 
@@ -214,10 +213,8 @@ def memcpy_ceiling(nbytes: int, threads: int, reps: int, chunk: int) -> list[flo
 def read_ceiling(paths: Sequence[str], threads: int, reps: int, chunk: int, slots: Sequence[np.ndarray],
                  before: Callable[[], Any] | None = None, warmup: int | None = None, streams: int = 1) -> list[float]:
     """``preadv`` of every byte of ``paths``, each worker into its own reused buffer (``slots``:
-    pinned ones for a GPU): what the page cache, or cold the disk, gives with no page faults on
-    the destination side. One untimed warm-up unless ``before`` drops the cache. ``streams``:
-    each file read as that many stretches, each through a descriptor of its own, their pieces
-    taken in turn (how a load reads a cold file: ``FileSource.read_in_streams``)."""
+    pinned ones for a GPU); one untimed warm-up unless ``before`` drops the cache. ``streams``:
+    each file read as that many stretches, a descriptor each, taken in turn (as a cold load)."""
     streams = max(1, streams)
     items = []
     for p in paths:

@@ -1,12 +1,8 @@
 """The CUDA runtime library called through ctypes: the one torch has already loaded.
 
-``import torch`` (a CUDA build) maps the CUDA runtime library into the process: torch's wheels
-bring it (``nvidia/cu13/lib/libcudart.so.13`` beside a CUDA 13 build, ``nvidia/cuda_runtime/lib/
-libcudart.so.12`` beside a CUDA 12 one, ``torch/lib/libcudart-<hash>.so.*`` in older wheels).
-``LibCudart`` calls that library under the names the pipeline uses from cupy's wrapper of the
-runtime (``hostAlloc``, ``memcpyAsync``, ``eventRecord``...), so ``runtime.runtime()`` may hand
-out either and no caller can tell them apart. ctypes releases the GIL around every call, as
-cupy's wrapper does around the calls that wait.
+``import torch`` (a CUDA build) maps the CUDA runtime library its wheels bring into the process.
+``LibCudart`` calls it under the names of cupy's wrapper of the runtime, so ``runtime.runtime()``
+may hand out either; ctypes releases the GIL around every call.
 """
 
 from __future__ import annotations

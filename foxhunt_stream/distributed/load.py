@@ -321,14 +321,11 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
                           verify: bool = False, progress: bool | None = None, background: bool = False,
                           **options) -> dict[str, Any]:
     """``load_file`` over a torch.distributed group: every rank of ``process_group`` calls it
-    (with its own ``device``, ``names`` and ``shard``); the checkpoint is read from disk once
-    across the group and shared with broadcasts. With ``shard`` each rank reads its own slices
-    itself and only the replicated tensors are shared. Returns this rank's
-    ``{name: torch.Tensor}``.
-
-    ``framework`` must be ``"pt"``/``"torch"`` (None means "pt"): only torch tensors go through
-    torch.distributed. ``exchange_bytes`` bounds the extra device memory of the exchange
-    (default 64 MiB). Any error on any rank raises ``DistributedLoadError`` on all of them.
+    (with its own ``device``, ``names`` and ``shard``); the checkpoint is read once across the
+    group and shared with broadcasts (with ``shard``, only the replicated tensors). Returns this
+    rank's ``{name: torch.Tensor}``. ``framework``: "pt" (None means "pt"). ``exchange_bytes``
+    bounds the exchange's device memory (64 MiB). An error on any rank raises
+    ``DistributedLoadError`` on all of them.
     """
     window = _window_bytes(framework, background, exchange_bytes)
     group = _Group(process_group)

@@ -47,10 +47,8 @@ class CheckpointMismatch(ValueError):
 def assign_owners(tensors: Iterable[tuple[str, int, str]], world_size: int) -> dict[str, int]:
     """``{name: rank}`` for ``(name, nbytes, file_key)`` triples, balanced by bytes.
 
-    Largest first onto the least-loaded rank (lowest rank on a tie); equal sizes are taken in
-    (file basename, name) order, so the answer depends neither on the order the tensors (or the
-    files) were listed in nor on the directory a file sits in. Deterministic: every rank computes
-    the same map from the same set.
+    Largest first onto the least-loaded rank (lowest on a tie), equal sizes in (file basename,
+    name) order: every rank computes the same map, whatever order or directory the files came in.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -106,11 +104,10 @@ def _owner_windows(owner: int, tensors: Sequence[tuple[str, int]], window_bytes:
 def exchange_windows(tensors: Sequence[tuple[str, int, int]], window_bytes: int) -> list[Window]:
     """The broadcasts that share ``(name, nbytes, owner)`` tensors (in the agreed order given).
 
-    Consecutive tensors of one owner (in the given order) are packed into windows of at most
-    ``window_bytes``; a tensor larger than that is cut into pieces. The owners take turns, one
-    window each in rank order, so every owner's reads are consumed while they go on rather than
-    rank 0's first and the last rank's when it has long finished. Every byte of every tensor is
-    in exactly one window; zero-byte tensors in none.
+    Consecutive tensors of one owner are packed into windows of at most ``window_bytes`` (a
+    larger one cut into pieces); the owners take turns, one window each in rank order, so every
+    owner's reads are consumed as they go. Every byte is in exactly one window (zero-byte
+    tensors in none).
     """
     if window_bytes < 1:
         raise ValueError(f"exchange window must be at least 1 byte, got {window_bytes}")
@@ -158,12 +155,10 @@ def plan_exchange(selections: Sequence[Mapping[str, TensorDesc]], window_bytes: 
                   sliced: Sequence[Collection[str]] | None = None) -> ExchangePlan:
     """Rank ``rank``'s view of the plan for the gathered selections (one per rank).
 
-    ``sliced[r]`` are the tensors rank r wants only its tensor-parallel slice of: it reads that
-    slice itself (nobody else needs those bytes), unless it owns the tensor because another rank
-    wants it whole. Every tensor some rank wants whole gets one owner, which reads it whole;
-    only tensors wanted whole by a rank other than their owner are broadcast. ``window_bytes``
-    must be the same on every rank (the smallest any rank asked for) so that all cut the same
-    windows.
+    ``sliced[r]``: the tensors rank r wants only its TP slice of, which it reads itself unless it
+    owns the tensor. Every tensor some rank wants whole gets one owner, which reads it whole;
+    only those wanted whole by another rank are broadcast. ``window_bytes`` must be the same on
+    every rank.
     """
     union, _ = merge_selections(selections)
     sliced = [frozenset(s) for s in sliced] if sliced is not None else [frozenset()] * len(selections)

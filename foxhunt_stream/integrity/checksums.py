@@ -141,13 +141,8 @@ class TensorHasher:
 
 
 class ChunkHasher:
-    """Hashes one chunk of a tensor piece by piece, in order, as its bytes arrive.
-
-    The loader feeds it the chunk's bytes on the worker thread right after reading them
-    (``target.read_inspected``; pieces of ``target.PIECE_BYTES``, by default the whole chunk),
-    so no second pass over the data is made. ``done()`` records the chunk's block digests and
-    checks the tensor if it is now complete.
-    """
+    """Hashes one chunk of a tensor piece by piece, in order, as the worker reads its bytes (no
+    second pass); ``done()`` records the chunk's block digests and checks a completed tensor."""
 
     __slots__ = ("_tensor", "_first", "_pos", "_end", "_h", "_digests", "_on_complete")
 
@@ -249,11 +244,8 @@ def strip(metadata: Mapping[str, str] | None) -> Mapping[str, str] | None:
 
 
 class SaveDigests:
-    """The saver's side: one hasher per tensor, and the metadata before and after hashing.
-
-    The header is written first, so it first carries placeholder digests of the final width
-    (same header length, same offsets) and is rewritten once every block is hashed.
-    """
+    """The saver's side: one hasher per tensor, and the metadata before (placeholder digests of
+    the final width: the header keeps its length) and after hashing."""
 
     def __init__(self, algo: str, block: int | None, names: Sequence[str], sizes: Sequence[int]) -> None:
         self.algo = algorithm(algo)

@@ -1,9 +1,7 @@
 """The load's side of checksums: each tensor checked as it lands, against its stored digest.
 
-``Verifier`` is the step a load runs when ``verify=True`` (``engine.inflight.LoadCheck``):
-chunks are hashed on the worker threads as they are read, or, for tensors landing on a GPU
-(``verify_on="auto"``), hashed there by a CUDA kernel once whole (``cuda.digest``). The digest
-format is ``checksums``.
+``Verifier`` is the load's ``LoadCheck`` step with ``verify=True``: chunks hashed on the worker
+threads as they are read, or tensors landing on a GPU hashed there once whole (``cuda.digest``).
 """
 
 from __future__ import annotations
@@ -26,13 +24,11 @@ CHECK_STREAMS = 16   # verify_on="landed" on a GPU: hashing kernels of up to thi
 class Verifier:
     """Checks each destination the moment its last block is hashed, on the thread that hashed it.
 
-    It is the load's ``LoadCheck`` step (``engine.inflight``). ``inspector(dest, run)`` is handed
-    to ``target.land``: a ChunkHasher fed the chunk's host bytes as they are read (into the
-    destination itself on the host, into the pinned slot on the way to a GPU). With
-    ``verify_on="landed"``, xxh3-64 tensors are instead hashed whole where they landed
-    (``landed``): on the host at once, on a GPU by a kernel queued after the tensor's copies, on
-    one of ``CHECK_STREAMS`` streams per device; a plain load defers its GPU tensors to one
-    batched launch per device and block size once every copy is done (``finish``).
+    ``inspector(dest, run)``: a ChunkHasher fed the chunk's host bytes as they are read. With
+    ``verify_on="landed"``, xxh3-64 tensors are hashed whole where they landed (``landed``): on
+    the host at once, on a GPU by a kernel queued after the tensor's copies on one of
+    ``CHECK_STREAMS`` streams, or, for a plain load, in one batched launch per device and block
+    size once every copy is done (``finish``).
     """
 
     def __init__(self, checks: list[tuple[str, str, Checksums] | None], sizes: Sequence[int],

@@ -195,12 +195,9 @@ class AtomicFile:
 
 
 def _take_attributes(fd: int, path: str) -> None:
-    """Give the new file (``fd``) what the file it replaces at ``path`` has: its permission bits
-    (rwx of owner, group, others; not setuid, setgid or sticky), its owner and group where this
-    process may set them (root; or the group alone, for a member of it), and its extended
-    attributes, POSIX ACLs among them, each where the platform, the filesystem and this
-    process's rights allow (best effort: one that cannot be set is left out). Nothing when no
-    regular file is there: the new file then has the umask's mode, as any new file."""
+    """Give the new file (``fd``) what the regular file it replaces at ``path`` has: its rwx
+    permission bits, its owner and group where this process may set them, and its extended
+    attributes (POSIX ACLs among them), each as far as allowed; none there: the umask's mode."""
     try:
         st = os.stat(path)
     except OSError:
@@ -297,14 +294,11 @@ def commit_all(files: Sequence[AtomicFile], replaces: Callable[[], Iterable[str]
     their directory (``dirlock``), which readers of an index take shared: a reader sees the set
     before the commit or after it, and two commits into one directory run one after the other.
 
-    Every file is sealed first, so the failures that writing can still have (fsync's among them)
-    come before anything is renamed. Then, with the lock held, ``replaces()`` names the files of
-    an earlier version that the new set replaces without overwriting them; each file is renamed
-    into place, and then each of those is moved aside. If a rename fails, the ones already done
-    are undone (a new name removed, a replaced or moved file restored from a hard link or the
-    name it was moved to). On any failure every temp file is removed and the directory holds
-    what it held before; on success the links and the moved files go and each directory is
-    fsynced once.
+    Every file is sealed first (fsync's failures come before any rename). Then, with the lock
+    held, each file is renamed into place and the files of an earlier version it replaces
+    without overwriting them (``replaces()``) are moved aside. If a rename fails, the ones done
+    are undone from hard links and moved names, every temp file is removed and the directory
+    holds what it held before; on success the links and moved files go.
     """
     published: list[tuple[str, bool, str | None]] = []
     directories = sorted({os.path.dirname(f.path) for f in files})

@@ -1,9 +1,7 @@
 """Loading a checkpoint into a torch module: ``load_model``'s machinery.
 
-The weights land in the module's own tensors (``engine.loader.load_into`` with the module's
-parameters and buffers as the store), or, from a load already running in the background, the
-loaded tensors are handed to the module (meta tensors take them, real ones are copied into).
-``StreamedLoad`` lets the first forward start before the load is done.
+The weights land in the module's own tensors (``load_into``), or a background load's tensors
+are handed to the module; ``StreamedLoad`` lets the first forward start before the load is done.
 """
 
 from __future__ import annotations
@@ -82,13 +80,10 @@ def load_model(model: torch.nn.Module, filename: str | os.PathLike | LoadHandle,
     ``materialize``). ``source`` may also be a list, an index.json or a directory; options
     as for ``load_into``.
 
-    ``source`` may also be the handle of a load already running, ``load_file(..., device=...,
-    background=True)``, started before the model existed (say, before ``import transformers``),
-    so that the I/O overlaps the imports and the model's construction. Then the model's meta
-    tensors take the loaded tensors themselves (as ``load_state_dict(assign=True)``, tied ones
-    stay tied, a dtype that differs is cast); tensors that have storage are copied into.
-    With ``wait=False`` it returns a ``StreamedLoad`` at once instead: each module takes its
-    tensors when it first runs, so the first forward overlaps the rest of the load.
+    ``source`` may also be the handle of a load already running (``load_file(...,
+    background=True)``, started before the model existed): the model's meta tensors then take the
+    loaded tensors (as ``load_state_dict(assign=True)``, ties kept, another dtype cast), tensors
+    with storage are copied into. ``wait=False`` returns a ``StreamedLoad`` at once instead.
     """
     if isinstance(filename, LoadHandle):
         if options or materialize:
@@ -206,16 +201,12 @@ def _load_from_handle(model: torch.nn.Module, handle, strict: bool, wait: bool):
 class StreamedLoad:
     """``load_model(model, handle, wait=False)``: the model runs before its weights have landed.
 
-    Each module that owns tensors of the file gets a forward pre-hook that waits for just those
-    (``handle.wait``), hands them over as ``load_model`` does and removes itself. The first
-    forward pass thus starts at once, and its one-time costs (kernel loading, the cuBLAS handle,
-    Python warm-up) overlap the load instead of following it; layer ``k`` runs as soon as its
-    bytes are on the device. ``wait()`` hands over whatever no forward has asked for yet; after
-    it (or once every module has run) the model is exactly what ``load_model(model, handle)``
-    gives. A load error is raised by the forward that needs the failed tensor, and by ``wait()``.
-
-    Until then the tensors of modules that have not run are still on the meta device: code that
-    reads ``model.state_dict()`` or another module's weights directly must call ``wait()`` first.
+    Each module that owns tensors of the file gets a forward pre-hook that waits for just those,
+    hands them over as ``load_model`` does and removes itself, so the first forward's one-time
+    costs overlap the load. ``wait()`` hands over the rest; after it the model is what
+    ``load_model(model, handle)`` gives. A load error is raised by the forward that needs the
+    failed tensor, and by ``wait()``; until then, tensors of modules that have not run are still
+    on the meta device.
     """
 
     def __init__(self, model: torch.nn.Module, handle, store: dict, missing: set[str], unexpected: list[str]) -> None:

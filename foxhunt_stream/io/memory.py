@@ -8,7 +8,7 @@ a buffer, and a sink that writes into a bytearray (``io.sink.AtomicFile``'s).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -91,15 +91,7 @@ class MemorySink:
         self._view = None
 
 
-class ReadableSource(Protocol):
-    path: str
-
-    def size(self) -> int: ...
-
-    def read_into(self, out: np.ndarray, offset: int) -> None: ...
-
-
-def read_header_from(src: ReadableSource) -> Header:
+def read_header_from(src: MemorySource) -> Header:
     """Read and validate the header through a source that is not a file on disk (a buffer, a file
     object); a FormatError names the source."""
     size = src.size()

@@ -1,9 +1,6 @@
-"""Paying a load's first-use costs before the load: ``warmup``.
-
-The first load on a GPU also imports the CUDA runtime wrapper, creates the CUDA context, pins
-its staging pool and creates its streams; ``warmup(device)`` does those now (on a thread with
-``background=True``, beside whatever the caller does next, such as building the model) and says
-how long each took. The page cache is another matter: see ``prefetch``.
+"""Paying a load's first-use costs before the load (``warmup``): the CUDA runtime's import, the
+context, the pinned staging pool and the streams, now or on a thread beside the caller's next
+steps. The page cache is ``prefetch``'s business.
 """
 
 from __future__ import annotations

@@ -42,11 +42,10 @@ def from_pretrained(path: str | os.PathLike, device: Any = "cuda:0", model_class
     runs while the weights stream in, so the first forward's one-time costs are paid during the
     load; what it changed on the modules is put back.
 
-    Missing, unexpected and mismatched tensors are reported as transformers reports them (its
-    load report; a size mismatch raises unless ``ignore_mismatched_sizes``). What this path cannot
-    serve -- quantized checkpoints, weight conversions such as fused MoE experts, remote code,
-    adapters, ``.bin`` weights, ``device_map``/``variant``/``gguf_file``... -- is loaded by
-    transformers' own ``from_pretrained``, with a warning naming the reason.
+    Missing, unexpected and mismatched tensors are reported in transformers' load report. What
+    this path cannot serve (quantized checkpoints, weight conversions, remote code, adapters,
+    ``.bin`` weights, ``device_map``...) is loaded by transformers' own ``from_pretrained``, with a
+    warning naming the reason.
     """
     auto_name = "AutoModelForCausalLM" if model_class is None else (
         model_class.__name__ if getattr(model_class, "_model_mapping", None) is not None else None)

@@ -230,10 +230,9 @@ def _new_report(ck: Checkpoint, source, description: str, dev: Device, device_no
 
 def _loads(report: Report, ck: Checkpoint, source, dev: Device, peers: bool, reps: int, before, chunk: int,
            say) -> None:
-    """Every load in a new process (``fresh``: the clock from before the loader's import to the
-    tensors on the device), as a server and each tensor-parallel rank meet it: foxhunt_stream's
-    first load, and a second in the same process beside it; then safetensors and, with ``peers``,
-    the peer loaders installed here, the same way. Cases take turns within each rep."""
+    """Every load in a new process (``fresh``): foxhunt_stream's first load and a second in the
+    same process, then safetensors and, with ``peers``, the peer loaders installed here; the
+    cases take turns within each rep."""
     ceiling = _load_ceilings(report, ck, dev, chunk, reps, before, say)
     nbytes = report.checkpoint["bytes"]
     cases = ["foxhunt", "safetensors"] + ([c for c in fresh.PEERS if c != "safetensors"] if peers and dev.is_cuda else [])

@@ -124,12 +124,9 @@ def _value_pool(elements: int) -> np.ndarray:
 # ---------------------------------------------------------------- the page cache
 
 def drop_caches(paths: Iterable[str] = (), whole_cache: bool = False) -> str:
-    """Evict ``paths`` from the page cache and return how.
-
-    First ``fsync`` and ``posix_fadvise(DONTNEED)`` per file (only these files; the advice drops
-    clean pages only, hence the fsync). Then ``/proc/sys/vm/drop_caches`` (every file of the
-    machine, root only) when pages of ``paths`` stayed resident, or always with ``whole_cache``:
-    a cold start, whose libraries must come off the disk too (PermissionError without root)."""
+    """Evict ``paths`` from the page cache and return how: ``fsync`` and
+    ``posix_fadvise(DONTNEED)`` per file, then ``/proc/sys/vm/drop_caches`` (root only) when pages
+    stayed resident, or always with ``whole_cache`` (PermissionError without root)."""
     paths = [os.fspath(p) for p in paths]
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
@@ -261,9 +258,8 @@ def write_method(directory: str, nbytes: int, threads: int) -> str:
 def write_ceiling(directory: str, nbytes: int, threads: int, reps: int, chunk: int, method: str = "pwrite",
                   fsync: bool = False) -> list[float]:
     """A new file of ``nbytes`` written by ``threads`` threads from reused buffers, by ``pwrite``
-    or by copies into a shared mapping of each chunk's window (fallocated first, as the saver's
-    mapped sink does), then ``fsync`` if asked. Each write starts after the last one's output is
-    removed and the machine's dirty pages are written back."""
+    or by copies into a mapping of each chunk's window (fallocated first), then ``fsync`` if
+    asked; each after the last one's output is removed and dirty pages are written back."""
     if method not in WRITE_METHODS:
         raise ValueError(f"write method must be one of {WRITE_METHODS}, got {method!r}")
     bufs = [np.full(chunk, 7, np.uint8) for _ in range(threads)]

@@ -244,13 +244,10 @@ def _shard_limit(max_shard_size: int | str) -> int:
 def _write_shards(sizes: Sequence[tuple[str, int]], produce: Callable[[list[str]], list[_Source]], directory: str,
                   limit: int, metadata, s: _settings.Settings, fsync: bool, spec, bar: Progress) -> list[str]:
     """The shard writer: ``sizes`` grouped into shards of at most ``limit`` bytes, each group's
-    sources made by ``produce(names)`` only when its shard is written (so a streaming caller holds
-    one shard in memory), every shard and the index written to temp files, then, under the
-    directory's lock, all renamed into place, the index last, and the files of an earlier save
-    this one replaces removed (``_earlier_files``; ``sink.commit_all``). Several shards carry one
-    new save id (``SAVE_KEY``, in each shard's metadata and the index's); one that ``metadata``
-    brings is dropped. On any failure no new file is left and the old ones are as they were.
-    Returns the paths, the index (when there are several shards) last."""
+    sources made by ``produce(names)`` only when its shard is written; every shard and the index
+    written to temp files, then committed together (``sink.commit_all``), the files of an earlier
+    save this one replaces removed (``_earlier_files``). Several shards carry one new save id
+    (``SAVE_KEY``). On any failure the old files are as they were. Returns the paths, index last."""
     groups = split_shards(sizes, limit)
     files = shard_names(len(groups))
     metadata = {k: v for k, v in metadata.items() if k != SAVE_KEY} if metadata else metadata
@@ -281,11 +278,9 @@ def _write_shards(sizes: Sequence[tuple[str, int]], produce: Callable[[list[str]
 
 
 def _earlier_files(directory: str) -> list[str]:
-    """The files in ``directory`` that a load of it could take as (part of) its checkpoint: the
-    index, the ``*.safetensors`` files it names, and every name a sharded save gives
-    (``model.safetensors``, ``model-NNNNN-of-NNNNN.safetensors``), each a regular file or a
-    symlink. No other file: other ``*.safetensors`` files, configs and the like stay. A sharded
-    save removes those it does not overwrite (the commit leaves its own out)."""
+    """The files in ``directory`` that a load of it could take as (part of) its checkpoint, each a
+    regular file or a symlink: the index, the files it names, and every name a sharded save gives;
+    no other file (configs and other ``*.safetensors`` files stay)."""
     names = {n for n in os.listdir(directory) if is_shard_name(n)}
     raw = _read_regular(os.path.join(directory, INDEX_NAME), MAX_HEADER_SIZE)
     if raw is not None:
@@ -354,15 +349,12 @@ def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | No
 
     Byte-identical to the reference serializer; written incrementally (host memory: a few
     chunks); atomic. With ``max_shard_size``, ``path`` is a directory that receives
-    ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``: every shard
-    is written before any is renamed into place, and the index last.
-    ``checksum`` ("xxh3-64" or "crc32c") stores per-tensor digests in ``__metadata__`` under
-    "foxhunt.checksums" (hashed as the chunks are written; ``checksum_block``: block size, default
-    8 MiB), for ``load_file(verify=True)`` and ``foxhunt_stream.verify``. A "foxhunt.checksums"
-    entry in ``metadata`` itself is dropped: it described some other file's bytes.
-    ``progress``: a bar on stderr (None: only on a terminal and past about a second).
-    A ``path`` that is a directory without ``max_shard_size`` (IsADirectoryError), or one whose
-    name ends in ``.safetensors`` with it (ValueError), is refused before anything is written.
+    ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``, the index
+    renamed into place last. ``checksum`` ("xxh3-64" or "crc32c") stores per-tensor digests under
+    "foxhunt.checksums" (``checksum_block``: block size, default 8 MiB), for
+    ``load_file(verify=True)`` and ``foxhunt_stream.verify``; such an entry in ``metadata`` is
+    dropped. ``progress``: a bar on stderr (None: on a terminal, past about a second). A
+    directory ``path`` without ``max_shard_size``, or a ``.safetensors`` one with it, is refused.
     """
     check_names(tensors)
     s, metadata, spec = _save_options(metadata, checksum, checksum_block, options)
@@ -395,10 +387,8 @@ def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | No
 
 
 def check_shard_directory(path, writer: str) -> None:
-    """A ValueError naming ``path`` when its name ends in ``.safetensors``: that is a file's name,
-    and ``writer`` (the call, for the message) writes a directory of shards, which a load of the
-    directory above would then meet where it expects a file. A file already there is left to
-    the writer's own check, which says so."""
+    """A ValueError naming ``path`` when its name ends in ``.safetensors`` (a file's name, where
+    ``writer`` writes a directory of shards); a file already there is left to the writer's check."""
     name = os.path.basename(os.path.normpath(os.fspath(path)))
     if name.endswith(".safetensors") and (os.path.isdir(path) or not os.path.lexists(path)):
         raise ValueError(f"{os.fspath(path)}: a name ending in .safetensors is a file's, but {writer} writes a "
@@ -423,11 +413,9 @@ def save_sharded(sizes: Sequence[tuple[str, int]], fetch: Callable[[list[str]], 
                  checksum: str | None = None, checksum_block: int | None = None, progress: bool | None = None,
                  **options) -> list[str]:
     """The streaming form of ``save_file(..., max_shard_size=)``: the tensors named in ``sizes``
-    (name, nbytes; in that order) as shards of at most ``max_shard_size`` bytes in the existing
-    ``directory``, where ``fetch(names)`` returns one shard's ``{name: array}`` only when that
-    shard is written, so host memory peaks at one shard (or one tensor larger than the limit),
-    whatever the checkpoint's size. Same grouping, names, atomicity and options as save_file.
-    Returns the paths written, the index (when there are several shards) last."""
+    ((name, nbytes), in order) as shards in the existing ``directory``, ``fetch(names)`` giving one
+    shard's ``{name: array}`` only when it is written (host memory: one shard). Same grouping,
+    names, atomicity and options as save_file; returns the paths written, the index last."""
     s, metadata, spec = _save_options(metadata, checksum, checksum_block, options)
     limit = _shard_limit(max_shard_size)
     directory = os.fspath(directory)

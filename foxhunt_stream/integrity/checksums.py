@@ -8,14 +8,10 @@ Format. ``save_file(..., checksum="xxh3-64")`` adds ONE entry to ``__metadata__`
 Any other reader sees one more metadata string and ignores it: the file stays plain safetensors.
 
 Digest. A tensor's bytes are cut into blocks of ``block_bytes`` (the last one shorter), each
-block is hashed on its own, and the tensor digest is the hash of the block digests (each as a
-fixed-width little-endian integer, in block order); an empty tensor's digest is the hash of no
-bytes. Why blocks: chunks of one tensor are read (or written) by different threads in any order,
-so a single running hash cannot follow them; with chunks cut on block boundaries, every chunk
-hashes its own blocks on the thread that moves it, and the last block in completes the tensor.
-No second pass over the data is ever made.
-
-Checksums cover whole tensors only: a slice of a tensor cannot be checked against them.
+hashed on its own; the tensor digest is the hash of the block digests (fixed-width little-endian
+integers, in block order); an empty tensor's is the hash of no bytes. Blocks, because chunks of
+one tensor move on different threads in any order: each chunk, cut on block boundaries, hashes
+its own blocks as it moves, with no second pass. Checksums cover whole tensors only.
 """
 
 from __future__ import annotations

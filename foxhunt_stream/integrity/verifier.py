@@ -186,10 +186,8 @@ class Verifier:
             self._pending[dest] = (out, buf, stream)
 
     def landed_batch(self, landed, stream_for) -> None:
-        """Destinations [(dest, buffer)] whose copies are all complete, hashed together: one
-        kernel launch per device and block size (``stream_for(device)`` gives its stream) instead
-        of one per tensor, whose Python overhead on the worker threads cost more than the hashing;
-        ``settle`` checks them."""
+        """Destinations [(dest, buffer)] whose copies are all complete, hashed in one kernel
+        launch per device and block size (on ``stream_for(device)``); ``settle`` checks them."""
         from ..cuda.digest import KernelUnavailable, spans_digests
         groups: dict[tuple, list] = {}
         for d, buf in landed:

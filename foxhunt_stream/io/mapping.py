@@ -188,9 +188,8 @@ def _unmap_pending() -> None:
 
 
 def wait_unmapped(timeout: float | None = None) -> bool:
-    """Wait until the mappings handed to background threads are gone; False if some are left
-    after ``timeout`` seconds. For tests and benchmarks: a timed round must not pay for the
-    unmapping of the round before."""
+    """Wait until the mappings handed to background threads are gone (False if some are left
+    after ``timeout`` seconds): a timed round must not pay for the round before."""
     with _unmapping_lock:
         threads = list(_unmapping)
     for t in threads:

@@ -156,9 +156,8 @@ def _mem_available() -> int | None:
 
 
 def _cgroup_dirs() -> list[tuple[str, tuple[str, str, str]]]:
-    """The memory cgroup directories that may hold this process's limit, with the names of
-    their limit, usage and stat files. Inside a container the cgroup path in /proc/self/cgroup
-    may not exist under /sys/fs/cgroup, whose root is then the container's own cgroup."""
+    """The memory cgroup directories that may hold this process's limit, with the names of their
+    limit, usage and stat files (in a container, /sys/fs/cgroup may be its own cgroup)."""
     v2 = ("memory.max", "memory.current", "memory.stat")
     v1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat")
     out = []

@@ -266,9 +266,8 @@ class FileSource:
 
     def gather(self, run: "Run", out: np.ndarray) -> bool:
         """Pack the rows of a 2-D run into ``out[:run.nbytes]`` with one strided copy out of the
-        mapping (the GIL released), touching only the pages of those rows, and count those pages
-        as read. False without a mapping: positional reads cannot skip the gaps between rows, so
-        the caller reads the whole span with ``read_span``."""
+        mapping, touching (and counting as read) only the pages of those rows. False without a
+        mapping: the caller reads the whole span with ``read_span``."""
         m = self.map
         if m is None:
             return False
@@ -278,9 +277,8 @@ class FileSource:
         return True
 
     def _check_mapped(self, offset: int, length: int, extents) -> None:
-        """Before a copy of ``[offset, offset+length)`` out of the mapping: the fault hook (on each
-        of ``extents``), then the file's size, so that a truncated file is FormatError
-        "file-truncated" and not a SIGBUS."""
+        """Before a copy out of the mapping: the fault hook (on each of ``extents``), then the
+        file's size, so that a truncated file is FormatError "file-truncated", not a SIGBUS."""
         if fault_hook is not None:
             for off, n in extents:
                 r = self._inject(off, n)

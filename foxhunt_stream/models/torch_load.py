@@ -27,11 +27,8 @@ log = logging.getLogger("foxhunt_stream")
 
 
 class LoadModelError(StoreMismatchError, RuntimeError):
-    """load_model found missing/unexpected names (strict) or tensors that cannot be filled.
-
-    A RuntimeError like the reference's (and torch's ``load_state_dict``'s), and a
-    StoreMismatchError with the ``problems``, ``missing`` and ``unexpected`` lists.
-    """
+    """load_model found missing/unexpected names (strict) or tensors that cannot be filled: a
+    RuntimeError like the reference's, and a StoreMismatchError with its lists."""
 
     def __init__(self, model_name: str, problems: list[str], missing=(), unexpected=()) -> None:
         super().__init__(problems, missing=missing, unexpected=unexpected)
@@ -74,11 +71,9 @@ def load_model(model: torch.nn.Module, filename: str | os.PathLike | LoadHandle,
     mismatch is always an error.
 
     The weights land in the module's own tensors, wherever they are (``device`` does not move
-    them: as in the reference, where it only chooses the staging device). A module built on the
-    meta device must be given storage first: ``model.to_empty(device=...)`` (then re-tie shared
-    weights) or ``materialize=True``, which does it here on ``device``, keeping ties (see
-    ``materialize``). ``source`` may also be a list, an index.json or a directory; options
-    as for ``load_into``.
+    them, as in the reference). A module built on the meta device needs storage first:
+    ``model.to_empty(device=...)`` or ``materialize=True`` (on ``device``, ties kept). ``source``
+    may also be a list, an index.json or a directory; options as for ``load_into``.
 
     ``source`` may also be the handle of a load already running (``load_file(...,
     background=True)``, started before the model existed): the model's meta tensors then take the

@@ -135,9 +135,8 @@ def present_runs(entries: np.ndarray) -> list[tuple[int, int]]:
 
 def mapped_libraries() -> dict[str, list[tuple[int, int]]]:
     """The shared objects mapped into this process and, per file, the byte ranges its code has
-    touched (pages present in this process's page tables, ``/proc/self/pagemap``): for torch's
-    CUDA libraries a fraction of each file, which a replay reads instead of the whole file.
-    A library whose pages cannot be inspected gets ``[]`` (read it whole); {} off Linux."""
+    touched (pages present in ``/proc/self/pagemap``), which a replay reads instead of the whole
+    file; ``[]`` where the pages cannot be inspected (read it whole); {} off Linux."""
     page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
     out: dict[str, list[tuple[int, int]]] = {}
     whole: set[str] = set()   # pages not inspectable: read the whole file
@@ -231,9 +230,7 @@ def run_unwatched(fn, *args) -> None:
 
 def watch_opens() -> None:
     """From now on, note each file Python code opens for reading and each directory it lists
-    (an audit hook, PEP 578, installed once per process): a later ``record_imports`` then also
-    lists what the imports read besides their modules (package metadata, configs, directory
-    listings), in the order they read it. ``prefetch(..., imports=)`` calls this."""
+    (an audit hook, installed once per process), for ``record_imports``."""
     global _watching
     if _watching:
         return
@@ -269,8 +266,7 @@ def loaded_files(libraries: dict[str, list[tuple[int, int]]] | None = None,
                  opened: list[str] | None = None) -> list[str]:
     """The code files this process has loaded so far (bytecode, extension modules, shared
     libraries) and, after ``watch_opens``, the other files its Python code read, in the order a
-    restart needs them (``order_loaded_files``). Record it once the server answers
-    (``record_imports``) and replay it with ``prefetch(..., imports=)``."""
+    restart needs them (``order_loaded_files``)."""
     import sys
 
     def real(f) -> str | None:
@@ -343,9 +339,8 @@ CodeFile = tuple[str, list[tuple[int, int]]]   # a file and the (start, end) ran
 
 def read_trace(path: str | os.PathLike) -> tuple[list[CodeFile], list[str]]:
     """The files of a trace that still exist, with the ranges to read (clipped to the file's
-    size now), and the directories it lists (lines ending in a separator: only listed, see
-    ``prefetch_metadata``). A missing trace (the first start) lists nothing, and so does one that
-    cannot be read; lines that name no file (garbage, an embedded NUL) are skipped."""
+    size now), and the directories it lists (lines ending in a separator). A missing or
+    unreadable trace lists nothing; lines that name no file are skipped."""
     try:
         with open(path, encoding="utf-8", errors="surrogateescape") as f:   # names as os gives them
             listed = parse_import_trace(f.read())
@@ -382,10 +377,9 @@ def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> tup
 
 
 def prefetch_metadata(files: Sequence[str], dirs: Sequence[str] = (), stop=None) -> None:
-    """What an import touches besides the bytecode: the listing of each package directory (and
-    of ``dirs``, those the traced start listed) and the source file's ``stat`` (the bytecode is
-    checked against it). After ``drop_caches`` these are small random reads of directories and
-    inodes; done ahead, the import finds them cached. ``stop()`` true: return at once (cancel)."""
+    """What an import touches besides the bytecode, done ahead so that it finds them cached: the
+    listing of each package directory (and of ``dirs``) and the source file's ``stat`` (the
+    bytecode is checked against it). ``stop()`` true: return at once (cancel)."""
     listed: set[str] = set()
 
     def list_once(d: str) -> None:
@@ -436,10 +430,9 @@ def record_paths(record: str, text: str) -> list[str]:
 
 
 def prefetch_record_metadata(records: Sequence[str], stop=None, threads: int = 4) -> int:
-    """``stat`` every file the ``records`` list (``dist_records``), with ``threads`` threads: the
-    inodes ``Distribution.files`` will look at are then cached. Returns how many were stat'ed;
-    ``stop()`` true: return soon (cancel). Best effort: missing files and unreadable RECORDs
-    are skipped."""
+    """``stat`` every file the ``records`` list (``dist_records``), with ``threads`` threads, so
+    the inodes ``Distribution.files`` looks at are cached; returns how many were stat'ed.
+    ``stop()`` true: return soon. Best effort: what is missing or unreadable is skipped."""
     paths: list[str] = []
     for r in records:
         try:

@@ -102,9 +102,8 @@ def _name_pieces(ck: Checkpoint, chosen: list[str], pieces: list[Piece]) -> dict
 
 
 class PrefetchHandle:
-    """A prefetch in flight. ``wait()`` blocks until every piece is read (``wait(name)``: only
-    that tensor's bytes) and re-raises a reader's error; ``done()`` polls; ``cancel()`` stops the
-    readers and joins them."""
+    """A prefetch in flight: ``wait()`` / ``wait(name)`` (re-raising a reader's error),
+    ``done()``, ``cancel()`` (stops the readers and joins them)."""
 
     def __init__(self, ck: Checkpoint, pieces: list[Piece], sources: dict[int, FileSource],
                  name_pieces: dict[str, tuple[int, int]], threads: int, method: str,
@@ -272,11 +271,8 @@ class PrefetchHandle:
                     return
 
     def wait(self, name: str | None = None, timeout: float | None = None) -> None:
-        """Block until the prefetch (or only tensor ``name``'s bytes) is in the page cache.
-
-        Re-raises the first reader error (``fs.CancelledError`` after ``cancel``); TimeoutError
-        if ``timeout`` seconds pass first.
-        """
+        """Block until the prefetch (or only tensor ``name``'s bytes) is in the page cache;
+        re-raises the first reader error (``fs.CancelledError`` after ``cancel``)."""
         if name is None:
             deadline = None if timeout is None else time.monotonic() + timeout
             self._wait_job(timeout)
@@ -357,16 +353,13 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     already resident are skipped (``skip_resident``), and so are those a load would read around
     the page cache (``io.read_policy``; listed in ``skipped``). Options as for the loader:
     ``threads`` (readers; default the loader's count, at most 8), ``chunk_bytes`` (a piece).
-    ``priority``: ``"idle"`` (the readers' I/O in the idle class, their files' readahead off, 8
-    readers of 1 MiB per call in the helper process or 2 of 4 MiB here, until a load begins) or
-    ``"normal"`` (8 hinted readers of 64 MiB per call). ``modules``: top-level packages about to be
-    imported, whose libraries and bytecode are read first (``module_files``). ``imports``: a trace
-    written by ``fs.record_imports`` at an earlier start, its files read first in their order (a
-    missing trace reads nothing extra); passing it also notes what this start opens for the next
-    trace (``watch_opens``). ``max_rate``: at most this many bytes per second of the checkpoint
-    until a load begins or ``unthrottle()``. ``helper_process``: the checkpoint read by a child
-    process, so its reads never take this process's GIL (default: with ``priority="idle"`` and
-    ``method="read"``). Needs neither torch nor cupy (docs/startup.md).
+    ``priority``: ``"idle"`` (idle I/O class, readahead off, small steps until a load begins) or
+    ``"normal"`` (8 hinted readers of 64 MiB per call). ``modules``: packages about to be
+    imported, whose files are read first; ``imports``: a trace written by ``fs.record_imports``,
+    its files read first (a missing one reads nothing extra), and this start's opens noted for
+    the next. ``max_rate``: bytes per second of the checkpoint until a load begins or
+    ``unthrottle()``. ``helper_process``: the checkpoint read by a child process (default: with
+    ``priority="idle"`` and ``method="read"``). Needs neither torch nor cupy (docs/startup.md).
     """
     helper_process = _check_arguments(method, priority, max_rate, helper_process, modules)
     s = _settings.merge(**options)

@@ -5,9 +5,9 @@
     import torch, transformers
     model = fs.transformers.from_pretrained("llama/", device="cuda:0")
 
-The result is what ``model_class.from_pretrained(path, dtype=dtype, device_map=device)`` gives --
-same class, state dict, buffers, ties, eval mode, generation config, load report -- with the
-weights streamed by foxhunt_stream. Needs torch and transformers (``pip install torch 'transformers>=5.17,<6'``, or the checkout's ``transformers`` extra).
+The result is what ``model_class.from_pretrained(path, dtype=dtype, device_map=device)`` gives,
+with the weights streamed by foxhunt_stream. Needs torch and transformers
+(``pip install torch 'transformers>=5.17,<6'``, or the checkout's ``transformers`` extra).
 """
 
 from __future__ import annotations

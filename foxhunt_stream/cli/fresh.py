@@ -5,13 +5,10 @@ script in a new Python process: on a GPU the child makes its CUDA context first,
 the clock runs from before the loader's import until the tensors are on the device. The child
 prints one line of JSON, which ``run`` returns.
 
-Cases: ``foxhunt`` (then a second load in the same process, timed alone), ``tp_llama`` and
-``tp_rows`` (rank 0 of TP=8: o/down by columns and the rest by rows, or all by rows),
-``safetensors``, ``instanttensor`` (its buffered backend), ``kvikio`` (the raw bytes of each
-file's data region into one GPU buffer per file: a C++ reference for moving the bytes),
-``fastsafetensors`` (no GDS), ``ceiling`` (one pinned host -> device copy of 1 GiB). On the host
-(``device="cpu"``) the foxhunt and safetensors cases return numpy arrays and import no torch.
-A peer that is not installed answers ``{"skipped": ...}``.
+Cases: ``foxhunt`` (then a second load, timed alone), ``tp_llama`` and ``tp_rows`` (rank 0 of
+TP=8), ``safetensors``, ``instanttensor``, ``kvikio`` (each file's raw data region into one GPU
+buffer), ``fastsafetensors`` (no GDS), ``ceiling`` (a pinned host -> device copy of 1 GiB). A
+peer that is not installed answers ``{"skipped": ...}``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Who reads what in a distributed load, and which broadcasts share it. Pure functions, no I/O.
 
-Every rank runs these on the same gathered inputs and gets the same answer, so the ranks agree on
-the plan without a further round of messages: ``plan_exchange`` merges the ranks' selections
-(``TensorDesc`` per wanted tensor), leaves each rank's tensor-parallel slices to that rank, gives
-each tensor wanted whole one owner (``assign_owners``, balanced by bytes) and cuts what the
-owners send into windows (``exchange_windows``).
+Every rank runs these on the same gathered inputs and gets the same answer, so the ranks agree
+without a further round of messages: ``plan_exchange`` merges the selections, gives each tensor
+wanted whole one owner (``assign_owners``) and cuts what the owners send into windows.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Resharding: rewrite a checkpoint into new shards, one output shard in memory at a time.
 
-``reshard`` reads the source's raw bytes shard by shard and hands them to ``save_sharded`` (the
-saver's streaming shard writer): host memory peaks at one output shard (or one tensor larger than
-the limit), whatever the checkpoint's size, and the output directory ends up holding the whole
-new checkpoint or nothing new at all.
+``reshard`` hands the source's raw bytes, shard by shard, to the saver's ``save_sharded``: host
+memory peaks at one output shard, and the output holds the whole new checkpoint or nothing new.
 """
 
 from __future__ import annotations
@@ -42,12 +40,10 @@ def _output_directory(out_dir: str, source_paths: list[str]) -> bool:
 def reshard(source, out_dir, max_shard_size: int | str, *, fsync: bool = True, checksum: str | None = None,
             progress: bool | None = None, **options) -> list[str]:
     """Rewrite ``source`` (any checkpoint form) into ``out_dir`` as shards of at most
-    ``max_shard_size``; tensors are byte-identical, their order is the source's file order, and
-    the shards' metadata is the source shards' (merged; without their save id). ``out_dir`` (a
-    name ending in ``.safetensors`` is refused: ValueError) is created if missing (and
-    removed again if the rewrite fails) and must not already hold a checkpoint. ``checksum``
-    ("xxh3-64", "crc32c") stores fresh digests (the source's, if any, are dropped: the saver
-    writes new ones or none); ``options`` are settings. Returns the paths written, the index last."""
+    ``max_shard_size``: tensors byte-identical, in the source's file order, the metadata the
+    source shards' (merged, without their save id). ``out_dir`` (not ``*.safetensors``) is
+    created if missing (removed if the rewrite fails) and must hold no checkpoint. ``checksum``
+    stores fresh digests; ``options`` are settings. Returns the paths written, the index last."""
     out_dir = os.fspath(out_dir)
     check_shard_directory(out_dir, "reshard")
     ck = open_checkpoint(source)

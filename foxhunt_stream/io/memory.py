@@ -1,9 +1,6 @@
 """Checkpoints in memory, through the interfaces the loader and the saver use for files: a source
-over a buffer, read in place (``io.source.FileSource``'s interface), the validated header of such
-a buffer, and a sink that writes into a bytearray (``io.sink.AtomicFile``'s).
-
-``safe_open`` of a ``memoryview``, a ``bytearray`` or a ``BytesIO``, ``load(data)`` and
-``save(tensors) -> bytes`` of ``foxhunt_stream.numpy`` and ``foxhunt_stream.torch`` go through them.
+over a buffer read in place (``FileSource``'s interface), its validated header, and a sink that
+writes into a bytearray (``AtomicFile``'s), for ``safe_open`` of buffers, ``load`` and ``save``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Sources: read byte ranges of a file into host memory.
 
-Backends behind one small interface:
-
-* ``pread``  - ``os.preadv`` (releases the GIL, and a truncated file is a short
-  read, never a SIGBUS); a strided run (a column slice) is read as its whole row span;
-* ``auto``   - ``pread``, and the file also maps itself (``mapping.FileMap``) so that a strided
-  run is gathered row by row, touching only the pages of its rows (the default: the loader gives
-  it to the files in the page cache that hold a column slice, ``pread`` or ``direct`` to the
-  others);
-* ``mmap``   - every read is a numpy copy out of the mapping;
-* ``direct`` - ``O_DIRECT`` reads of page-aligned spans into aligned buffers, bypassing the page
-  cache (for cold files); the bytes wanted are a view into the over-read span.
-
-A cold file read through the cache may be read as a few sequential streams, a descriptor each
-(``FileSource.read_in_streams``), so that the kernel's readahead fills the cache in large folios
-(docs/architecture.md, ``direct_io``). A copy out of a mapping re-checks the file's size first (a
-file truncated before it is a FormatError, during it a SIGBUS). Every source counts what it read
-(``bytes_read``; a gather: the pages it touches), which tests use to prove that unselected bytes
-are never read.
+Backends behind one small interface: ``pread`` (``os.preadv``: releases the GIL, and a truncated
+file is a short read, never a SIGBUS; a strided run is read as its whole row span); ``auto``
+(``pread``, and the file also mapped so that a strided run is gathered row by row); ``mmap``
+(every read a copy out of the mapping); ``direct`` (``O_DIRECT`` reads of page-aligned spans,
+bypassing the page cache). A cold file may be read as a few sequential streams, a descriptor
+each (``FileSource.read_in_streams``; docs/architecture.md, ``direct_io``). Every source counts
+what it read (``bytes_read``), which tests use to prove that unselected bytes are never read.
 """
 
 from __future__ import annotations

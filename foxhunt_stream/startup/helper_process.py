@@ -4,11 +4,9 @@ Reader threads in the importing process take its GIL back after every ``sendfile
 ``import transformers`` took 15-16 s beside them, 7.2-7.8 s without), so ``ChildJob`` runs the
 same readers on the same pieces in ``python -m foxhunt_stream.startup.helper_process``.
 
-The protocol, one line each way: the parent writes the job as JSON, then ``fast`` when a load of
-the files begins (big steps, no rate cap); closing the child's stdin stops it. The child writes
-``d i,j,...`` for the pieces it finished (in batches of about ``report_bytes``, so the parent's
-monitor thread wakes a few times a second) and ``e {json}`` for the error that stopped it.
-``ChildJob`` offers the part of ``pipeline.Job`` that ``PrefetchHandle`` uses.
+The protocol, one line each way: the parent writes the job as JSON, then ``fast`` when a load
+begins; closing the child's stdin stops it. The child writes ``d i,j,...`` for the pieces it
+finished (in batches of about ``report_bytes``) and ``e {json}`` for the error that stopped it.
 """
 
 from __future__ import annotations

@@ -39,11 +39,8 @@ class OptionError(SafetensorError, ValueError):
 
 
 class FormatError(SafetensorError, ValueError):
-    """A safetensors file (or index) breaks a rule of the format.
-
-    ``path``, ``rule`` and ``tensor`` are kept as attributes so callers can tell errors apart
-    without parsing the message.
-    """
+    """A safetensors file (or index) breaks a rule of the format; ``path``, ``rule`` and
+    ``tensor`` are attributes, so callers can tell errors apart without parsing the message."""
 
     def __init__(self, rule: str, detail: str = "", *, path: str | os.PathLike | None = None,
                  tensor: str | None = None) -> None:

@@ -54,12 +54,9 @@ def _getdtype(dtype_str: str) -> torch.dtype:
 
 def load_file(filename: str | os.PathLike, device: str | int = "cpu", *, backend: str | None = None,
               **options) -> dict[str, torch.Tensor]:
-    """``safetensors.torch.load_file``: ``{name: torch.Tensor}`` on ``device``.
-
-    Also takes a list of files, an index.json or a directory, and the loader's options
-    (``names``, ``background``, ``threads``, ``device_map`` for several GPUs...). ``backend``:
-    "auto", "pread", "mmap" or "direct" (None: the library's choice, "auto").
-    """
+    """``safetensors.torch.load_file``: ``{name: torch.Tensor}`` on ``device``. Also takes a
+    list of files, an index.json or a directory, and the loader's options; ``backend``: "auto"
+    (None), "pread", "mmap" or "direct"."""
     return api.load_file(filename, device=device, framework="pt", backend=backend, **options)
 
 
@@ -89,11 +86,8 @@ def load(data: bytes) -> dict[str, torch.Tensor]:
 def save_model(model: torch.nn.Module, filename: str | os.PathLike, metadata: Mapping[str, str] | None = None,
                force_contiguous: bool = True, **options) -> None:
     """``safetensors.torch.save_model``: the state dict with one name per shared storage (each
-    dropped name recorded in the metadata as ``{dropped: kept}``); byte-identical to the reference.
-
-    ``force_contiguous`` is accepted for compatibility: non-contiguous tensors are always saved
-    (row by row), never copied whole.
-    """
+    dropped name recorded in the metadata as ``{dropped: kept}``); byte-identical to the
+    reference. ``force_contiguous`` is accepted: non-contiguous tensors are always saved."""
     state = model.state_dict()
     meta = dict(metadata) if metadata is not None else None
     for kept, dropped in remove_duplicate_names(state).items():

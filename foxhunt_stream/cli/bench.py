@@ -176,9 +176,8 @@ def run(source=None, *, device: str | None = None, size: int | str | None = None
         cold: bool = False, peers: bool = False, reps: int = 3, saves: bool = True, workdir: str | None = None,
         log: Callable[[str], None] | None = None, warn: Callable[[str], None] | None = None,
         **options) -> Report:
-    """Run the benchmark and return its Report (``Report.table()`` prints it). ``size`` (synthetic
-    checkpoint only) defaults to 1 GiB on the CPU and 8 GiB on a GPU. ``warn`` receives what the
-    reader must not miss (a GPU not used, comparisons left out), ``log`` the progress."""
+    """Run the benchmark and return its Report. ``size`` (synthetic checkpoint only): 1 GiB on the
+    CPU, 8 GiB on a GPU by default. ``warn`` receives what must not be missed, ``log`` progress."""
     say = log or (lambda msg: None)
     alert = warn or (lambda msg: None)
     dev, device_note = pick_device(device)

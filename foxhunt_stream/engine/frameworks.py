@@ -191,9 +191,8 @@ class TorchFramework:
             raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shp)) * max(1, dtype.itemsize)) from None
 
     def new(self, dtype: DType, shape, device: Device, tensor: str = ""):
-        """A new tensor and its Buffer (a load's destination). A load makes hundreds, the caller
-        holding the GIL for each: the device and dtype are resolved once per framework and a GPU
-        tensor's Buffer read straight off it (contiguous by construction)."""
+        """A new tensor and its Buffer (a load's destination; device and dtype resolved once per
+        framework: a load makes hundreds, holding the GIL)."""
         t = self.empty(dtype, shape, device, tensor)
         if not device.is_cuda:
             return t, self.buffer(t)
@@ -230,9 +229,8 @@ _FRAMEWORKS = {"numpy": NumpyFramework, "np": NumpyFramework, "cupy": CupyFramew
 
 def get_framework(framework: str | None, device: Device):
     """The framework that makes a load's arrays on ``device`` (None: numpy on the host, cupy on a
-    GPU), its library imported: a missing one is an error saying how to install it, before any
-    file is opened. For torch this also loads the CUDA runtime torch ships, which a GPU load can
-    then use without cupy (``cuda.runtime``)."""
+    GPU), its library imported (a missing one: an error saying how to install it; torch also
+    brings the CUDA runtime a GPU load can use without cupy)."""
     if framework is None:
         framework = "numpy" if not device.is_cuda else "cupy"
     cls = _FRAMEWORKS.get(framework) if isinstance(framework, str) else None

@@ -94,9 +94,8 @@ class Job:
                 self._end()
 
     def _end(self) -> None:
-        """The job is over: ``on_end``, then the references to the work and its buffers dropped (a
-        finished job must not keep device memory alive through a reference cycle until the next
-        GC pass), then anyone waiting woken."""
+        """The job is over: ``on_end``, then the references to the work and its buffers dropped (no
+        device memory kept alive by a reference cycle), then anyone waiting woken."""
         try:
             if self._on_end is not None:
                 self._on_end(self._error)
@@ -147,11 +146,9 @@ class Job:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every worker has stopped; re-raise the first error.
-
-        If the waiter itself is interrupted (KeyboardInterrupt, an exception from a signal
-        handler), the workers are cancelled and joined before that propagates: callers close
-        files and free buffers on the way out, and no worker may still be using them."""
+        """Block until every worker has stopped; re-raise the first error. A waiter interrupted
+        (KeyboardInterrupt...) cancels and joins the workers first: none may still use the
+        files and buffers its caller frees on the way out."""
         try:
             finished = self._done.wait(timeout)
         except BaseException:

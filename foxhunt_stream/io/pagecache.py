@@ -109,10 +109,8 @@ def residency_snapshot():
 
 def resident_fraction(path: str | os.PathLike, samples: int = 64) -> float:
     """Fraction of the file's pages in the page cache, from ``samples`` pages in runs of
-    ``SAMPLE_RUN`` spread evenly over it (one mincore call a run: O(samples), not O(file size),
-    well under a millisecond even for a multi-GB shard). ``samples`` >= the page count (or a
-    file of a few runs) checks every page.
-    Inside ``residency_snapshot`` the first answer for a file is kept."""
+    ``SAMPLE_RUN`` spread evenly over it (one mincore call a run); ``samples`` >= the page count
+    checks every page. Inside ``residency_snapshot`` the first answer for a file is kept."""
     memo = _snapshot.get()
     if memo is None:
         return _sample_residency(path, samples)

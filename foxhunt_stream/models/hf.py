@@ -45,9 +45,8 @@ def prepare(source: CheckpointSource, model_class, dtype, kwargs: dict) -> Recip
 
 def finish(source: CheckpointSource, r: Recipe, handle, device, model_class, dtype, kwargs: dict,
            warm_forward: bool | None):
-    """The model from ``handle`` (a background load of ``source.weights`` already running) and
-    ``r`` (``prepare``), or transformers' own from_pretrained when this path cannot serve it (the
-    load is cancelled)."""
+    """The model from ``handle`` (the background load of ``source.weights``) and ``r``, or
+    transformers' own from_pretrained (the load cancelled) when this path cannot serve it."""
     try:
         return streamed_model(source, r, handle, device, warm_forward)
     except Unservable as e:
@@ -189,10 +188,8 @@ def load_generation_config(model, r: Recipe, source: CheckpointSource) -> None:
 
 def warm_up(model, device: torch.device) -> None:
     """One token through the model while the weights land (each module's pre-hook waits for its
-    own). Its output is dropped and what it changed on the modules is undone (``ModuleState``: a
-    rotary module may re-register its tables or cache a long-context copy on its first call);
-    a model whose forward wants other inputs is just not warmed (a load error comes again from
-    the wait that follows)."""
+    own); what it changed on the modules is undone (``ModuleState``). A model whose forward wants
+    other inputs is not warmed; a load error comes again from the wait that follows."""
     params = inspect.signature(model.forward).parameters
     if "input_ids" not in params:
         return

@@ -44,10 +44,8 @@ def _error_from(record: dict) -> BaseException:
 
 
 class ChildJob:
-    """Reads ``pieces`` (``readers.Piece`` of ``paths``) into the page cache in a child process;
-    ``on_done(i, piece, None)`` runs here, on a monitor thread, for each piece the child reports.
-    ``step``, ``fast_step``, ``max_rate``, ``no_readahead``, ``copy``: as for
-    ``readers.PieceReaders``."""
+    """Reads ``pieces`` of ``paths`` into the page cache in a child process (the other options as
+    for ``readers.PieceReaders``); ``on_done(i, piece, None)`` runs on a monitor thread here."""
 
     def __init__(self, paths: Sequence[str], sizes: Sequence[int], pieces: Sequence[Any],
                  on_done: Callable[[int, Any, Any], None], threads: int, priority: str, step: int,
@@ -162,9 +160,8 @@ class ChildJob:
 
 
 def child_main(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> int:
-    """The child: read the job from ``stdin``, read its pieces into the page cache with
-    ``threads`` readers, report on ``stdout``; 0 when all were read (or the parent stopped it),
-    1 after an error (reported first)."""
+    """The child: the job from ``stdin``, its pieces read by ``threads`` readers, reports on
+    ``stdout``; 0 when all were read (or the parent stopped it), 1 after an error."""
     stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer
     spec = json.loads(stdin.readline())

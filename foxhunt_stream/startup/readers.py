@@ -55,9 +55,8 @@ def _ioprio(table: dict[str, int], *args: int) -> int | None:
 
 
 def set_idle_io_priority() -> bool:
-    """Put the calling thread's disk reads in the idle I/O class (Linux ``ioprio_set``): the block
-    layer's scheduler (mq-deadline, BFQ) serves them only when nobody else's reads wait, so a
-    prefetch does not slow the imports it overlaps. Best effort: False where unsupported."""
+    """Put the calling thread's disk reads in the idle I/O class (served only when nobody else's
+    reads wait, so a prefetch does not slow the imports); False where unsupported."""
     return set_io_priority(_IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT)
 
 

@@ -246,8 +246,7 @@ WRITE_METHODS = ("pwrite", "mapped")
 
 
 def write_method(directory: str, nbytes: int, threads: int) -> str:
-    """How ``save_file`` writes ``nbytes`` into ``directory`` with ``threads`` threads by default:
-    "mapped" (copies into a shared mapping, as on tmpfs) or "pwrite" (the sink decides)."""
+    """How ``save_file`` writes ``nbytes`` into ``directory`` with ``threads``: "mapped" or "pwrite"."""
     sink = AtomicFile(os.path.join(directory, "write-method-probe"), nbytes, fsync=False, writers=threads)
     try:
         return "mapped" if sink.backend == "mmap" else "pwrite"
@@ -297,8 +296,7 @@ def writer_counts(threads: int, method: str) -> list[int]:
 
 def best_write_ceiling(directory: str, nbytes: int, threads: int, reps: int, chunk: int, method: str = "pwrite",
                        fsync: bool = False) -> tuple[list[float], str]:
-    """``write_ceiling`` by each of ``writer_counts``, the fastest (by median). Returns its times
-    and who wrote them."""
+    """``write_ceiling`` by each of ``writer_counts``: the fastest's times, and who wrote them."""
     def median(t: list[float]) -> float:
         return sorted(t)[len(t) // 2]
     counts = writer_counts(threads, method)

@@ -215,8 +215,7 @@ class _Exchange:
         return self.full.get(n)
 
     def dest_of(self, n: str):
-        """Receiver side: where a tensor wanted whole here lands, or None (not wanted whole here:
-        the broadcast's bytes are dropped)."""
+        """Receiver side: where a tensor wanted whole here lands, or None (its bytes dropped)."""
         if self.failed is None and n in self.whole and n not in self.full:
             try:
                 self.full[n] = self._empty(n)
@@ -225,8 +224,7 @@ class _Exchange:
         return self.full.get(n)
 
     def finish(self, n: str) -> None:
-        """Tensor ``n`` is complete here: into the result (an owner that wants only a slice of it
-        takes the slice out); the whole one goes."""
+        """Tensor ``n`` is complete here: into the result (or only this rank's slice of it)."""
         import torch
         if self.failed is None and n in self.mine and n in self.full:
             t = self.full[n]

@@ -168,8 +168,7 @@ class safe_open:
 
     def _start(self, names: list[str], indices=None, progress: bool | None = False, per_dest: bool = False,
                shared: SharedSources | None = None) -> LoadInFlight:
-        """A load of ``names`` (``indices``: slices) from the open files; it holds them open until
-        it is over."""
+        """A load of ``names`` (``indices``: slices), holding the open files until it is over."""
         shared = shared or self._check()
         sources = shared.begin()
         try:
@@ -207,8 +206,7 @@ class safe_open:
 
 
 class safe_open_handle(safe_open):
-    """``safetensors._safe_open_handle``: ``safe_open`` of an open file object, which the
-    reference names ``f`` (a local file, an fsspec file...)."""
+    """``safetensors._safe_open_handle``: ``safe_open`` of an open file object ``f``."""
 
     def __init__(self, f, framework: str | None = None, device="cpu", **options) -> None:
         super().__init__(f, framework, device, **options)

@@ -105,8 +105,7 @@ class TensorHasher:
         self._lock = threading.Lock()
 
     def add(self, offset: int, data) -> bool:
-        """Hash the blocks in ``data`` (tensor bytes ``[offset, offset + len(data))``, cut on block
-        boundaries); True when this completed the tensor."""
+        """Hash the blocks in ``data`` (the tensor's bytes from ``offset``); True if now complete."""
         if not isinstance(data, np.ndarray):
             data = np.frombuffer(data, np.uint8)
         n, b = data.nbytes, self.block

@@ -132,8 +132,7 @@ class Verifier:
                 self.hash_landed(dest, buf, stream)
 
     def finish(self, buffer_of: Callable[[int], Any]) -> None:
-        """Every copy is done: hash the deferred GPU destinations in batched launches, then check
-        everything queued (raises the first mismatch)."""
+        """Every copy is done: hash the deferred GPU destinations, then check everything queued."""
         with self._pending_lock:
             later, self._deferred = self._deferred, []   # once: a second finish() must not relaunch
         if later:
@@ -171,9 +170,7 @@ class Verifier:
         if h is None or not self._landed[dest] or h.size == 0:
             return
         if not buf.device.is_cuda:
-            data = buf.host[:h.size]
-            if h.add(0, data):
-                self._check(dest)
+            self.add(dest, 0, buf.host[:h.size])
             return
         from ..cuda.digest import KernelUnavailable, block_digests
         out = None   # an unaligned view (load_into a slice of a bigger tensor): hash a host copy
@@ -244,8 +241,7 @@ class Verifier:
         if stream is not None:
             stream.synchronize()
         if out is None:
-            if h.add(0, _device_bytes(buf, 0, h.size)):
-                self._check(d)
+            self.add(d, 0, _device_bytes(buf, 0, h.size))
             return
         from ..cuda.digest import MIN_LONG
         if isinstance(out, tuple):   # a slice of a batch's digests

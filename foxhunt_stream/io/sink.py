@@ -263,8 +263,7 @@ def _temp_name(path: str) -> str:
 
 
 def _keep_old(path: str) -> tuple[bool, str | None]:
-    """Before ``path`` is replaced: whether a file is there, and a hard link that keeps it (None
-    where there is none or the filesystem cannot link)."""
+    """Before ``path`` is replaced: whether a file is there, and a hard link that keeps it, or None."""
     if not os.path.lexists(path):
         return False, None
     backup = _temp_name(path)

@@ -203,8 +203,7 @@ class FileSource:
             self._touch_again(offset, want, fd)
 
     def _touch_again(self, offset: int, length: int, fd: int | None = None) -> None:
-        """The second use of freshly cached pages (see ``promote``), through ``fd`` (the one
-        that read them); best effort."""
+        """The second use of freshly cached pages (``promote``) through ``fd``; best effort."""
         try:
             sendfile_to_null(self.fd if fd is None else fd, offset, length)
         except OSError:

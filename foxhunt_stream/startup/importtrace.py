@@ -222,8 +222,7 @@ def unwatch_this_thread() -> None:
 
 
 def run_unwatched(fn, *args) -> None:
-    """``fn(*args)`` as the body of a foxhunt thread whose opens are not noted (the target of a
-    ``threading.Thread``)."""
+    """``fn(*args)`` as the body of a foxhunt thread whose opens are not noted."""
     unwatch_this_thread()
     fn(*args)
 
@@ -367,8 +366,7 @@ def read_trace(path: str | os.PathLike) -> tuple[list[CodeFile], list[str]]:
 
 
 def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> tuple[list[CodeFile], list[str]]:
-    """What a prefetch reads before the checkpoint: the import trace's files in its order, then
-    the named packages' files not already listed (whole); and the trace's directories."""
+    """What a prefetch reads first: the trace's files, then the packages' others; the trace's directories."""
     out, dirs = read_trace(imports) if imports is not None else ([], [])
     if modules:
         listed = {p for p, _ in out}

@@ -254,8 +254,7 @@ class PrefetchHandle:
             return self._job.done()
 
     def _wait_job(self, timeout: float | None = None) -> None:
-        """The readers' job's wait(); where a helper that could not start was replaced by threads
-        meanwhile (_start_job), the threads' job's."""
+        """The readers' job's wait(), or that of the threads that replaced a helper meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             job = self._job
@@ -307,8 +306,7 @@ class PrefetchHandle:
             self._code.wait(timeout)
 
     def unthrottle(self) -> None:
-        """Drop ``max_rate`` and the idle pace: read the rest as fast as the disk goes (a load of
-        the files began)."""
+        """Drop ``max_rate`` and the idle pace: a load of the files began."""
         self._loading = True
         if self._readers is not None:
             self._readers.go_fast()
@@ -385,8 +383,7 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
 
 def _check_arguments(method: str, priority: str, max_rate: float | None, helper_process: bool | None,
                      modules: Sequence[str]) -> bool:
-    """ValueError / TypeError for a bad argument, before any file is opened; returns whether a
-    helper process reads the checkpoint."""
+    """ValueError / TypeError for a bad argument; returns whether a helper process reads."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if priority not in PRIORITIES:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import glob
+import importlib
 import json
 import os
 import platform
@@ -32,11 +33,11 @@ from ..cuda.devices import CPU, Device, check_device, cupy, parse_device
 from ..io.checkpoint import Checkpoint, open_checkpoint
 from . import ceilings as ce
 from . import fresh
-from . import peers as pe
 from .text import describe_error, fmt_bytes
 
 DEFAULT_SIZE = {"cpu": 1 << 30, "cuda": 8 << 30}   # GPU figures want >= 8 GiB (DESIGN.md)
 GPU_FIX = "pip install cupy-cuda13x (or cupy-cuda12x for a CUDA 12 driver)"
+SAFETENSORS_HINT = "pip install safetensors (or the checkout's test extra: pip install -e '.[test]')"
 
 
 # ---------------------------------------------------------------- results
@@ -121,7 +122,23 @@ def report_lines(report: Report) -> list[str]:
     return lines
 
 
-# ---------------------------------------------------------------- the device
+# ---------------------------------------------------------------- the device and the optional packages
+
+def optional(module: str):
+    """The module, or None when it is absent or its install is broken (a missing shared library)."""
+    try:
+        return importlib.import_module(module)
+    except Exception:
+        return None
+
+
+def torch_cuda(device: Device):
+    """torch when it can reach ``device`` (a GPU); None on the CPU, so CPU runs never import it."""
+    if not device.is_cuda:
+        return None
+    torch = optional("torch")
+    return torch if torch is not None and torch.cuda.is_available() else None
+
 
 def gpu_present() -> bool:
     """Whether the machine shows an NVIDIA GPU (driver files), whatever Python can reach."""
@@ -156,7 +173,7 @@ def _free_gpu(device: Device) -> None:
     if not device.is_cuda:
         return
     cupy().get_default_memory_pool().free_all_blocks()
-    torch = pe.torch_cuda(device)
+    torch = torch_cuda(device)
     if torch is not None:
         torch.cuda.empty_cache()
 
@@ -235,9 +252,9 @@ def _loads(report: Report, ck: Checkpoint, source, dev: Device, peers: bool, rep
     ceiling = _load_ceilings(report, ck, dev, chunk, reps, before, say)
     nbytes = report.checkpoint["bytes"]
     cases = ["foxhunt", "safetensors"] + ([c for c in fresh.PEERS if c != "safetensors"] if peers and dev.is_cuda else [])
-    absent = [c for c in cases[1:] if pe.optional(c) is None]   # the children see what this process sees
+    absent = [c for c in cases[1:] if optional(c) is None]   # the children see what this process sees
     for c in absent:
-        report.notes.append(f"safetensors is not installed: its comparison rows are left out ({pe.SAFETENSORS_HINT})"
+        report.notes.append(f"safetensors is not installed: its comparison rows are left out ({SAFETENSORS_HINT})"
                             if c == "safetensors" else f"{c} is not installed")
     cases = [c for c in cases if c not in absent]
     runs: dict[str, list[dict]] = {c: [] for c in cases}
@@ -329,7 +346,7 @@ def _save_ceilings(report: Report, tmp: str, dev: Device, chunk: int, reps: int,
 
 def _saves(report: Report, source, dev: Device, reps: int, tmp: str, chunk: int, say) -> None:
     import foxhunt_stream as fs
-    torch = pe.torch_cuda(dev)
+    torch = torch_cuda(dev)
     framework = "pt" if (dev.is_cuda and torch is not None) else None
     tensors = fs.load_file(source, device=str(dev), framework=framework, progress=False)
     fs_ceiling, st_ceiling, sync_ceiling = _save_ceilings(report, tmp, dev, chunk, reps, say)
@@ -337,7 +354,7 @@ def _saves(report: Report, source, dev: Device, reps: int, tmp: str, chunk: int,
     note = "no fsync" + ("; cupy arrays (bf16 as U16)" if dev.is_cuda and framework is None else "")
     rows = [("foxhunt_stream save_file", lambda: fs.save_file(tensors, out, fsync=False, progress=False),
              fs_ceiling, note)]
-    st = pe.optional("safetensors.torch" if dev.is_cuda else "safetensors.numpy")
+    st = optional("safetensors.torch" if dev.is_cuda else "safetensors.numpy")
     if st is not None and (torch is not None or not dev.is_cuda):
         where = f" (from {dev})" if dev.is_cuda else ""
         rows.append((f"{st.__name__} save_file{where}", lambda: st.save_file(tensors, out), st_ceiling, "no fsync"))

@@ -17,8 +17,7 @@ from ..errors import DeviceError, DeviceOutOfMemoryError, OptionError
 
 
 class Buffer(NamedTuple):
-    """Where a destination's bytes go: host memory (``host``) or a device address (``ptr``). A
-    tuple: a load makes one per tensor."""
+    """Where a destination's bytes go: host memory (``host``) or a device address (``ptr``)."""
     device: Device
     nbytes: int
     host: np.ndarray | None = None   # uint8, contiguous (cpu)

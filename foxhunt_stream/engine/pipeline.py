@@ -113,8 +113,7 @@ class Job:
         self._cancel.set()
 
     def cancel(self) -> None:
-        """Stop taking items; the job then ends with ``CancelledError`` (a job already over keeps
-        its outcome)."""
+        """Stop taking items; the job then ends with ``CancelledError`` (unless already over)."""
         if not self._done.is_set():
             self.fail(CancelledError("cancelled"))
 

@@ -298,8 +298,7 @@ def _earlier_files(directory: str) -> list[str]:
 
 
 def _read_regular(path: str, limit: int) -> bytes | None:
-    """Up to ``limit`` bytes of ``path`` if it is a regular file (a FIFO is never waited on), else
-    None."""
+    """Up to ``limit`` bytes of ``path`` if it is a regular file (never a FIFO), else None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
@@ -397,8 +396,7 @@ def check_shard_directory(path, writer: str) -> None:
 
 
 def _shard_directory(directory: str) -> bool:
-    """The directory that receives the shards, created with its parents if missing (as
-    ``save_pretrained`` does); returns whether it was created."""
+    """The directory for the shards, created with its parents if missing; whether it was created."""
     if os.path.isdir(directory):
         return False
     if os.path.exists(directory):

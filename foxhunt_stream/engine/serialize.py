@@ -120,8 +120,7 @@ def serialize_file(tensor_dict: Mapping[str, TensorSpec], filename: str | os.Pat
 
 
 def deserialize(data: bytes) -> list[tuple[str, dict[str, Any]]]:
-    """``[(name, {"shape": [...], "dtype": "F32", "data": bytearray}), ...]`` in file order; the
-    header is validated as a file's."""
+    """``[(name, {"shape": [...], "dtype": "F32", "data": bytearray}), ...]`` in file order."""
     header = buffer_header(data)
     view = memoryview(data).cast("B")
     start = header.data_start

@@ -89,8 +89,7 @@ class MemorySink:
 
 
 def read_header_from(src: MemorySource) -> Header:
-    """Read and validate the header through a source that is not a file on disk (a buffer, a file
-    object); a FormatError names the source."""
+    """Read and validate the header through a source that is not a file on disk."""
     size = src.size()
     try:
         prefix = np.empty(min(N_LEN, size), np.uint8)

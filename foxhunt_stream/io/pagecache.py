@@ -80,8 +80,7 @@ def sendfile_to_null(fd: int, offset: int, length: int, step: int = 64 << 20) ->
 
 
 def advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
-    """``posix_fadvise(fd, offset, length, os.<advice>)``; a hint only: where the platform or the
-    filesystem refuses it, nothing changes."""
+    """``posix_fadvise(fd, offset, length, os.<advice>)``; a hint only (refused: nothing changes)."""
     try:
         os.posix_fadvise(fd, offset, length, getattr(os, advice))
     except (AttributeError, OSError, ValueError):
@@ -194,7 +193,6 @@ def prefetching(path: str | os.PathLike) -> bool:
 
 
 def loading(path: str | os.PathLike) -> None:
-    """A load of ``path`` starts: the prefetches reading it drop their pacing (it left the disk
-    to the imports; now the load waits for these bytes)."""
+    """A load of ``path`` starts: the prefetches reading it drop their pacing."""
     for w in _prefetchers_of(path):
         w.unthrottle()

@@ -37,8 +37,7 @@ STREAM_FDS = 256
 
 @dataclass(frozen=True, slots=True)
 class ReadPolicy:
-    """How one file of a load is read (module docstring): made by ``read_policies``, read by the
-    planner (``format.plan.plan_load``) and by ``open``."""
+    """How one file of a load is read (module docstring), for the planner and ``open``."""
     size: int                 # the file's size when its header was read
     backend: str = "pread"    # "pread", "direct" (O_DIRECT) or "mmap" (every read a copy out of a mapping)
     gather: bool = False      # strided runs gathered row by row out of a mapping of the file

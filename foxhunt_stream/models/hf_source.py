@@ -120,8 +120,7 @@ def device_obstacle(device: Any) -> str | None:
 
 def plan(path: str | os.PathLike, device: Any, auto_class_name: str | None,
          kwargs: Mapping[str, Any]) -> tuple[CheckpointSource | None, str | None]:
-    """The checkpoint (None if ``path`` is not a local one) and the first thing this path cannot
-    serve (None: it serves it all)."""
+    """The checkpoint (None if not a local one) and the first thing this path cannot serve."""
     try:
         source = resolve(path)
     except Unservable as e:

@@ -256,8 +256,7 @@ class StreamedLoad:
 
 
 def _wait_torch_streams(tensors) -> None:
-    """Writes go on the loader's own streams: first let torch finish what it queued on the
-    destinations (an init kernel, say)."""
+    """Let torch finish what it queued on the destinations: the loader writes on its own streams."""
     for index in {t.device.index or 0 for t in tensors if t.device.type == "cuda"}:
         torch.cuda.current_stream(index).synchronize()
 

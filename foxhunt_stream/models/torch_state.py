@@ -50,8 +50,7 @@ def end_ptr(tensor: torch.Tensor) -> int:
 
 
 def is_complete(tensor: torch.Tensor) -> bool:
-    """``tensor`` starts where its storage starts and covers all of it (saving it saves every
-    view of that storage)."""
+    """``tensor`` starts where its storage starts and covers all of it."""
     return (tensor.data_ptr() == storage_ptr(tensor)
             and tensor.nelement() * tensor.element_size() == storage_size(tensor))
 

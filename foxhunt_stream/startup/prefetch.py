@@ -28,7 +28,7 @@ from ..io.pagecache import resident_fraction
 from ..io.source import FileSource, open_source
 from .code_files import TracedCodeReader
 from .helper_process import ChildJob
-from .importtrace import prefetch_record_metadata, run_unwatched, watch_opens
+from .importtrace import merge_ranges, prefetch_record_metadata, run_unwatched, watch_opens
 from .readers import Pacer, Piece, PieceReaders
 
 if TYPE_CHECKING:
@@ -57,20 +57,8 @@ def plan_pieces(spans: Sequence[Sequence[tuple[int, int]]], piece_bytes: int) ->
     ``piece_bytes``, ordered by file then offset (the order a load reads in)."""
     if piece_bytes <= 0:
         raise ValueError("piece size must be positive")
-    out: list[Piece] = []
-    for f, file_spans in enumerate(spans):
-        merged: list[list[int]] = []
-        for start, end in sorted(file_spans):
-            if end <= start:
-                continue
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        for start, end in merged:
-            for off in range(start, end, piece_bytes):
-                out.append(Piece(f, off, min(piece_bytes, end - off)))
-    return out
+    return [Piece(f, off, min(piece_bytes, end - off)) for f, file_spans in enumerate(spans)
+            for start, end in merge_ranges(file_spans, gap=0) for off in range(start, end, piece_bytes)]
 
 
 def _spans(ck: Checkpoint, chosen: list[str], whole_files: bool) -> list[list[tuple[int, int]]]:

@@ -1,8 +1,5 @@
-"""Devices: parse a device argument, check that a GPU exists, and one stream per worker per GPU.
-
-The CUDA runtime (``runtime``) is imported lazily, so ``import foxhunt_stream`` works on a
-machine without it.
-"""
+"""Devices: parse a device argument, check that a GPU exists, and one stream per worker per GPU
+(the CUDA runtime imported lazily: ``import foxhunt_stream`` works on a machine without it)."""
 
 from __future__ import annotations
 

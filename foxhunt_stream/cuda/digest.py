@@ -45,12 +45,9 @@ def kernel_keys() -> np.ndarray:
     return np.concatenate([aligned, _secret_words(len(SECRET) - STRIPE - 7), _secret_words(11)]).astype(np.uint64)
 
 
-# One warp per checksum block. XXH3 is sequential from one 1 KiB block to the next (a scramble
-# between them), but the 16 stripes x 8 lanes inside one are independent sums: lane t of the
-# warp owns accumulator t % 8 and loads words t, t + 32, t + 64, t + 96 of each 1 KiB block (one
-# coalesced 256-byte load per step), and the four lanes of an accumulator add their parts with
-# two shuffles. A thread per block would load 8 bytes at a time from 2000 scattered places
-# (~11 GB/s on an H200); a warp per block keeps HBM busy.
+# One warp per checksum block: XXH3 is sequential from one 1 KiB block to the next, but lane t
+# owns accumulator t % 8 and loads words t, t + 32, t + 64, t + 96 of each (one coalesced load),
+# the four lanes of an accumulator adding their parts with two shuffles (a thread per block: ~11 GB/s).
 KERNEL = r"""
 typedef unsigned long long u64;
 typedef unsigned int u32;

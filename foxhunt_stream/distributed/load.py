@@ -32,9 +32,7 @@ log = logging.getLogger("foxhunt_stream")
 
 class DistributedLoadError(RuntimeError):
     """A distributed load failed on one or more ranks; raised on every rank of the group.
-
-    ``failures`` maps rank -> "ExceptionType: message". On a rank that failed itself the
-    original exception is chained as ``__cause__``."""
+    ``failures``: rank -> "ExceptionType: message" (a rank's own exception is the ``__cause__``)."""
 
     def __init__(self, failures: dict[int, str], rank: int) -> None:
         self.failures, self.rank = failures, rank
@@ -134,12 +132,9 @@ def _agree_on_selection(group: _Group, source, device, names: Names, shard: TPSl
 # -- 2.-4. start the reads, exchange, finish -----------------------------------------------------
 
 class _Exchange:
-    """This rank's part of the exchange: its reads in flight (what it owns, and its own slices),
-    the whole tensors it holds (owned and landed, or being received), and its result.
-
-    From the first broadcast on every rank takes part in every broadcast whatever happens: a rank
-    that failed (``failed``) sends or drops junk and says so at the end, so no rank is left
-    waiting in a collective."""
+    """This rank's part of the exchange: its reads in flight, the whole tensors it holds, and its
+    result. From the first broadcast on, a rank that failed (``failed``) still takes part in every
+    broadcast, sending or dropping junk, and says so at the end: no rank is left waiting."""
 
     def __init__(self, group: _Group, agreed: _Agreed) -> None:
         self.group, self.agreed, self.plan = group, agreed, agreed.plan

@@ -1,8 +1,7 @@
 """Frameworks: numpy, cupy and torch views of landed bytes, passed down the pipeline as a value.
 
-A framework allocates the destination of each tensor (``empty``) and tells the pipeline where
-its bytes live (``buffer``: a host uint8 view, or a device pointer). The stages never branch on
-the framework name; they only see a ``Buffer``.
+A framework allocates each tensor's destination (``empty``) and tells the pipeline where its
+bytes live (``buffer``); the stages never branch on the framework, they only see a ``Buffer``.
 """
 
 from __future__ import annotations

@@ -84,9 +84,8 @@ class safe_open:
 
     ``with safe_open(path, framework="pt", device="cuda:0") as f: f.get_tensor(name)``.
     ``filename`` may also be a list of files, an index.json, a directory, an open file object or
-    a checkpoint's bytes as a ``memoryview``/``bytearray`` (``io.fileobj``). Arrays returned stay
-    valid after the handle is closed, and so do slices taken from it. With ``verify=True`` whole
-    tensors are checked against their saved digests (a slice cannot be, and is refused).
+    a ``memoryview``/``bytearray``. Arrays and slices stay valid after the handle is closed.
+    ``verify=True`` checks whole tensors against their saved digests (a slice is refused).
     """
 
     @reopen_if_replaced

@@ -170,26 +170,22 @@ def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None,
         def work(worker: int, item) -> None:
             i, run = item
             src = ordered[i]
+            slot = None
             if src.host is not None:
                 data = src.host[run.src:run.src + run.width]
-                if digests is not None:
-                    digests.add(i, run.src, data)
-                sink.write_at(data, run.dst)
             elif src.rows is not None:
                 r0 = run.src // src.row_bytes
                 r1 = -(-(run.src + run.width) // src.row_bytes)
                 skip = run.src - r0 * src.row_bytes   # nonzero only when chunks follow checksum blocks
                 data = (src.rows(r0, r1) if src.shape else src.rows(0, 1))[skip:skip + run.width]
+            else:   # device bytes, through a pinned slot
+                pool, slot, data = targets[src.device.index].fetch(worker, src.ptr + run.src, run.width)
+            try:
                 if digests is not None:
                     digests.add(i, run.src, data)
                 sink.write_at(data, run.dst)
-            else:
-                pool, slot, view = targets[src.device.index].fetch(worker, src.ptr + run.src, run.width)
-                try:
-                    if digests is not None:
-                        digests.add(i, run.src, view)
-                    sink.write_at(view, run.dst)
-                finally:
+            finally:
+                if slot is not None:
                     pool.release(slot)
             progress.update(run.width)
 

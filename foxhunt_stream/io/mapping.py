@@ -66,8 +66,8 @@ def touched_bytes(run: "Run", page: int = PAGE) -> int:
 
 
 def page_extents(run: "Run", page: int = PAGE) -> Iterator[tuple[int, int]]:
-    """What ``touched_bytes`` counts, as ``(offset, length)`` extents in file order: whole pages
-    clipped to the span, neighbours merged. One step per row: for the fault hook and tests."""
+    """What ``touched_bytes`` counts, as ``(offset, length)`` extents in file order (one step per
+    row: for the fault hook and tests)."""
     lo = hi = -1
     end = run.src + run.span
     for r in range(run.height if run.width > 0 else 0):

@@ -1,11 +1,10 @@
 """Sinks: a file that appears atomically (temp file, positional writes, fsync, rename) or not at
 all, and a set of files (a sharded checkpoint and its index) that appears together (``commit_all``).
 
-Temp files are named ``.<target>.foxhunt-tmp.<pid>.<random>`` in the target's directory: never
-``*.safetensors``, so a crash leaves nothing a loader would mistake for a checkpoint. The writer
-holds an exclusive ``flock`` on its temp file from its creation to its commit or abort, and
-``clean_stale_temps`` removes only the temps whose lock it can take: no live writer holds them,
-in this PID namespace or any other (the pid in the name is informative only).
+Temp files are named ``.<target>.foxhunt-tmp.<pid>.<random>`` (never ``*.safetensors``). The
+writer holds an exclusive ``flock`` on its temp file until its commit or abort, and
+``clean_stale_temps`` removes only the temps whose lock it can take (no live writer, in any PID
+namespace).
 """
 
 from __future__ import annotations

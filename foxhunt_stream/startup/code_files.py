@@ -1,9 +1,8 @@
 """The code a start imports, read before the weights (``prefetch(..., imports=, modules=)``).
 
-``TracedCodeReader`` reads the files of an import trace (``importtrace``), or whole packages,
-with 8 hinted readers at normal priority, stats their directories and inodes beside them, then
-runs what follows (``then``: the weights' readers). Imports no numpy: the readers fetch numpy's
-own files (they lead the trace) while the caller imports it.
+``TracedCodeReader`` reads an import trace's files, or whole packages, with 8 hinted readers,
+stats their directories and inodes beside them, then runs what follows (the weights' readers).
+Imports no numpy: the readers fetch numpy's own files while the caller imports it.
 """
 
 from __future__ import annotations
@@ -40,10 +39,9 @@ def sample_resident(paths: Sequence[str], k: int = RESIDENT_SAMPLE) -> bool:
 
 
 class TracedCodeReader:
-    """Reads the code files of the ``imports`` trace and of the ``modules`` packages on its own
-    threads, starting now. ``wait()``: until they are read and their metadata prefetched;
-    ``then(fn)``: ``fn`` once the reads are over; ``cancel()``: stop after the current piece.
-    ``paths`` and ``nbytes``: what was read; ``records``: the ``RECORD`` files among them."""
+    """Reads the code files of the ``imports`` trace and the ``modules`` packages on its own
+    threads, from now. ``wait()``: until read and their metadata prefetched; ``then(fn)``: ``fn``
+    once the reads are over; ``paths``, ``nbytes``, ``records``: what was read."""
 
     def __init__(self, modules: Sequence[str], imports: str | None, piece_bytes: int,
                  skip_resident: bool = True, advise_only: bool = False) -> None:

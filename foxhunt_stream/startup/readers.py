@@ -126,13 +126,11 @@ def read_range(src: FileSource, offset: int, length: int, scratch: memoryview, *
                cancelled: Callable[[], bool] = _never, copy: Callable[[], bool] = _never,
                hint: bool = False, hint_only: bool = False, best_effort: bool = False,
                count: bool = True) -> bool:
-    """Bring ``[offset, offset + length)`` of ``src`` into the page cache, one
-    ``src.fill_cache`` call per ``step()`` bytes (asked before each step; None: the whole range),
-    each step first cleared by ``pacer``. ``cancelled()`` true before the hint, a step or after
-    the pacer: stop and return False. ``copy()``: this step through ``scratch``, not ``sendfile``.
-    ``hint``: ``posix_fadvise(WILLNEED)`` for the range first; ``hint_only``: nothing more.
-    ``best_effort``: a failed or short read ends the range quietly. ``count=False``: not counted
-    as read (not a checkpoint's bytes). Returns True when the range was done (or given up on)."""
+    """Bring ``[offset, offset + length)`` of ``src`` into the page cache, one ``fill_cache`` call
+    per ``step()`` bytes (None: the whole range), each cleared by ``pacer``; ``cancelled()`` true
+    at any step: stop, return False. ``copy()``: this step through ``scratch``. ``hint``: a
+    ``WILLNEED`` hint first (``hint_only``: nothing more). ``best_effort``: a failed read ends the
+    range quietly. ``count=False``: not counted as read. True when the range was done."""
     if cancelled():
         return False
     if hint or hint_only:
@@ -158,13 +156,11 @@ def read_range(src: FileSource, offset: int, length: int, scratch: memoryview, *
 
 
 class PieceReaders:
-    """What a prefetch's reader threads do with its checkpoint's pieces: the ``setup`` and
-    ``work`` of a ``pipeline.Job``, in this process or in the helper process.
-
-    Until ``go_fast()`` (a load began): ``step``-byte steps paced at ``max_rate``, the files
-    advised ``POSIX_FADV_RANDOM`` with ``no_readahead``, each step through a buffer with ``copy``;
-    after it, ``fast_step``-byte steps, no pacing, the kernel's readahead. ``idle``: the readers'
-    I/O in the idle class. ``hint``: a ``WILLNEED`` hint per piece; ``hint_only``: nothing more."""
+    """A prefetch's readers of its checkpoint's pieces: the ``setup`` and ``work`` of a
+    ``pipeline.Job``, here or in the helper process. Until ``go_fast()`` (a load began):
+    ``step``-byte steps paced at ``max_rate``, readahead off with ``no_readahead``, each step
+    through a buffer with ``copy``; after it, ``fast_step``-byte steps, no pacing, readahead.
+    ``idle``: the idle I/O class. ``hint``: a ``WILLNEED`` hint per piece (``hint_only``: only)."""
 
     def __init__(self, sources: Mapping[int, FileSource], cancelled: Callable[[], bool], *, step: int,
                  fast_step: int, idle: bool, hint: bool, hint_only: bool = False, no_readahead: bool = False,

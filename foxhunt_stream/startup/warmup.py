@@ -35,10 +35,9 @@ def warmup(device="cuda:0", *, background: bool = False, verify: bool = False,
     """Pay a load's first-use costs now; returns the seconds each step took.
 
     For a GPU: the CUDA runtime's import, the context, the pinned staging pool (reused by later
-    loads and saves with the same settings) and one stream per worker; for ``"cpu"``: the host
-    scratch pool. ``background=True``: on a thread, a WarmupHandle returned at once (a load that
-    starts meanwhile waits for its pinned pool). ``verify=True`` also builds the GPU checksum
-    kernel (an NVRTC compile).
+    loads and saves) and one stream per worker; for ``"cpu"``: the host scratch pool.
+    ``background=True``: on a thread, a WarmupHandle returned at once. ``verify=True`` also
+    builds the GPU checksum kernel (an NVRTC compile).
     """
     from ..cuda.devices import parse_device
 

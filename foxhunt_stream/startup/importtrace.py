@@ -261,11 +261,10 @@ def opened_files() -> tuple[list[str], list[str]]:
     return files, dirs
 
 
-def loaded_files(libraries: dict[str, list[tuple[int, int]]] | None = None,
-                 opened: list[str] | None = None) -> list[str]:
-    """The code files this process has loaded so far (bytecode, extension modules, shared
-    libraries) and, after ``watch_opens``, the other files its Python code read, in the order a
-    restart needs them (``order_loaded_files``)."""
+def loaded_files(libraries: dict[str, list[tuple[int, int]]], opened: list[str]) -> list[str]:
+    """The code files this process has loaded so far (its ``libraries``, bytecode, extension
+    modules) and the other files its Python code read (``opened``, in the order they were opened),
+    in the order a restart needs them (``order_loaded_files``)."""
     import sys
 
     def real(f) -> str | None:
@@ -275,11 +274,9 @@ def loaded_files(libraries: dict[str, list[tuple[int, int]]] | None = None,
             return os.path.realpath(f) if os.path.isfile(f) else None
         except (OSError, ValueError):
             return None
-    if opened is None:
-        opened = opened_files()[0]   # in the order they were opened (bytecode included)
     mods = [(f, None) for f in opened] + [(real(getattr(m, "__file__", None)), real(getattr(m, "__cached__", None)))
                                           for m in list(sys.modules.values())]
-    mapped = list(mapped_libraries() if libraries is None else libraries)   # not Linux: modules only
+    mapped = list(libraries)   # not Linux: modules only
     roots = [os.path.realpath(p) for p in sys.path if isinstance(p, str) and p and os.path.isdir(p)]
     return order_loaded_files(mods, mapped, roots)
 
@@ -297,7 +294,7 @@ def format_trace(files: Sequence[str], ranges: dict[str, list[tuple[int, int]]])
 
 
 def record_imports(path: str | os.PathLike) -> int:
-    """Write this process's ``loaded_files()`` to ``path`` (text, replaced atomically) for the
+    """Write this process's ``loaded_files`` to ``path`` (text, replaced atomically) for the
     next start's ``prefetch(..., imports=path)``; returns how many files it lists. Shared
     libraries are listed with the byte ranges this process touched (``mapped_libraries``).
 

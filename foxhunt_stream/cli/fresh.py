@@ -1,9 +1,8 @@
 """One load in a new process, timed as a server meets it: ``run(case, ...)``.
 
-A server (and each tensor-parallel rank) loads once per process, so ``run`` starts this file as a
-script in a new Python process: on a GPU the child makes its CUDA context first, untimed, then
-the clock runs from before the loader's import until the tensors are on the device. The child
-prints one line of JSON, which ``run`` returns.
+A server loads once per process, so ``run`` starts this file as a script in a new Python process
+(on a GPU its CUDA context made first, untimed), timed from before the loader's import until the
+tensors are on the device; the child prints one line of JSON, which ``run`` returns.
 
 Cases: ``foxhunt`` (then a second load, timed alone), ``tp_llama`` and ``tp_rows`` (rank 0 of
 TP=8), ``safetensors``, ``instanttensor``, ``kvikio`` (each file's raw data region into one GPU

@@ -1,11 +1,9 @@
 """Integrity: optional per-tensor checksums, computed and checked where the bytes already pass.
 
 Format. ``save_file(..., checksum="xxh3-64")`` adds ONE entry to ``__metadata__``,
-``"foxhunt.checksums"``, whose value is a compact JSON string::
+``"foxhunt.checksums"``, a compact JSON string that other readers ignore::
 
     {"v":1,"algorithm":"xxh3-64","block_bytes":8388608,"tensors":{"<name>":"<hex digest>",...}}
-
-Any other reader sees one more metadata string and ignores it: the file stays plain safetensors.
 
 Digest. A tensor's bytes are cut into blocks of ``block_bytes`` (the last one shorter), each
 hashed on its own; the tensor digest is the hash of the block digests (fixed-width little-endian

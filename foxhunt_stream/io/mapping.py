@@ -1,12 +1,10 @@
 """A read-only mapping of a whole file, out of which strided runs are gathered.
 
 A column slice ``x[:, a:b]`` is thousands of short rows, ``pitch`` apart: positional reads copy
-every covered byte, a strided copy out of a mapping touches only the rows. A load maps each file once, when its source opens, and its workers share the mapping (every
-``munmap`` interrupts each CPU running one of them). Unmapping undoes every page a gather
-faulted in: 20-200 ms for a TP=8 column shard of a 16 GB checkpoint on the H200 machine, so a
-used mapping is unmapped off the load's path, once no view of it is left, by one thread
-(``_unmap_pending``; ``wait_unmapped`` waits for it). A gather counts as read the bytes of the
-pages holding its rows (``touched_bytes``).
+every covered byte, a strided copy out of a mapping touches only the rows (``touched_bytes``). A
+load maps each file once and its workers share the mapping; unmapping undoes every page a gather
+faulted in (20-200 ms for a TP=8 column shard of a 16 GB checkpoint on the H200 machine), so a
+used mapping is unmapped off the load's path by one thread (``_unmap_pending``).
 """
 
 from __future__ import annotations

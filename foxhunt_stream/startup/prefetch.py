@@ -1,13 +1,12 @@
 """Filling the page cache with a checkpoint before its load: ``prefetch`` (docs/startup.md).
 
 ``prefetch(source)`` needs neither torch nor cupy, so it can be a server's first statement:
-reader threads (a ``pipeline.Job`` of ``readers.PieceReaders``) pull the selected bytes into the
-page cache with ``sendfile`` into /dev/null, and a later load finds them in memory; the two learn
-of each other through ``pagecache`` (the load reads through the cache and lifts the pacing). The
-code the imports need is read first (``code_files``), then the weights with a shallow queue until
-the load begins (``priority="idle"``). With an import trace and ``wait_imports()``, a cold start of
-``fs.transformers.from_pretrained`` took 0.83 s more than imports, CUDA and the empty model
-alone, against 12.95 s more for transformers' (``benchmarks/RESULTS.md``, startup).
+readers (``readers.PieceReaders``) pull the selected bytes into the page cache, and a later load
+finds them there (the two meet through ``pagecache``). The code the imports need is read first
+(``code_files``), then the weights with a shallow queue until the load begins. With an import
+trace and ``wait_imports()``, a cold start of ``fs.transformers.from_pretrained`` took 0.83 s
+more than imports, CUDA and the empty model alone, against 12.95 s more for transformers'
+(``benchmarks/RESULTS.md``, startup).
 """
 
 from __future__ import annotations
@@ -102,8 +101,6 @@ class PrefetchHandle:
         self.pieces = pieces
         self.nbytes = sum(p.length for p in pieces)
         self.priority = priority
-        self.started = time.perf_counter()
-        self.finished: float | None = None
         self._code = code   # the code files, read first (started by prefetch before this handle)
         self._real_paths = {os.path.realpath(p) for p in ck.paths if p not in self.skipped}
         self._sources = sources
@@ -130,7 +127,6 @@ class PrefetchHandle:
             self._job = self._threads_job()
         if not pieces:
             self._closer()
-            self.finished = self.started
         pagecache.register_prefetch(self)   # a load of these files reads through the cache, and unpaces us
         self._records_thread: threading.Thread | None = None    # prefetch_record_metadata here, not waited for
         if code is None:
@@ -230,7 +226,6 @@ class PrefetchHandle:
             last = self._remaining == 0
             self._cond.notify_all()
         if last:
-            self.finished = time.perf_counter()
             self._closer()
 
     def done(self) -> bool:

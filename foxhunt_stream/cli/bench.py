@@ -95,8 +95,7 @@ class Report:
 
 
 def report_lines(report: Report) -> list[str]:
-    """The printed table: ceilings lettered [a], [b]...; every other figure shows its ratio to
-    the ceiling it is bounded by, and that ceiling's letter."""
+    """The printed table: ceilings lettered [a], [b]...; each other figure with its ratio to one."""
     ck = report.checkpoint
     device = report.device + (f" ({report.device_note})" if report.device_note else "")
     lines = [f"foxhunt-stream {__version__} bench: {device}, {report.threads} threads, "
@@ -106,12 +105,11 @@ def report_lines(report: Report) -> list[str]:
     letters = {r.name: f"[{chr(ord('a') + i)}]" for i, r in enumerate(x for x in report.rows if x.group == "ceiling")}
     width = max([len(r.name) + 4 for r in report.rows] + [24]) + 2
     lines.append(f"{'':{width}}{'GB/s':>8}  {'x ceiling':>11}  {'median s':>9}  note")
-    titles = {"ceiling": "ceilings", "load": "load", "save": "save"}
     group = None
     for r in report.rows:
         if r.group != group:
             group = r.group
-            lines.append(titles.get(group, group))
+            lines.append("ceilings" if group == "ceiling" else group)
         name = f"{letters[r.name]} {r.name}" if r.name in letters else r.name
         g = f"{r.gbps:8.2f}" if r.gbps else f"{'-':>8}"
         ratio = report.ratio(r)
@@ -155,8 +153,7 @@ def why_no_gpu(error: BaseException) -> str:
 
 
 def pick_device(device: str | None) -> tuple[Device, str]:
-    """The device to measure and a note on it. ``None``/``"auto"``: cuda:0 when cupy and a CUDA
-    device are present, else the CPU, with why a GPU the machine shows cannot be used."""
+    """The device to measure and a note on it (``None``/``"auto"``: cuda:0 if usable, else the CPU)."""
     if device in (None, "auto"):
         try:
             dev = Device("cuda", 0)
@@ -317,8 +314,7 @@ def _load_ceilings(report: Report, ck: Checkpoint, dev: Device, chunk: int, reps
 
 
 def _save_ceilings(report: Report, tmp: str, dev: Device, chunk: int, reps: int, say) -> tuple[str, str, str]:
-    """Measure what the saves are compared with; returns the ceiling names for (foxhunt_stream's
-    save, safetensors' save, foxhunt_stream's save with fsync)."""
+    """The save ceilings' names for foxhunt_stream's save, safetensors' and foxhunt_stream's with fsync."""
     nbytes, threads = report.checkpoint["bytes"], report.threads
     say("measuring write ceilings ...")
     method = ce.write_method(tmp, nbytes, threads)

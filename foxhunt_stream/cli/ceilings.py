@@ -167,8 +167,8 @@ def resident(paths: Sequence[str]) -> float:
 
 def measure(fn: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None,
             warmup: int = 0) -> list[float]:
-    """Seconds of each of ``reps`` calls of ``fn`` (after ``warmup`` untimed ones); ``before``
-    runs untimed ahead of every call (dropping caches); what ``fn`` returns is freed first."""
+    """Seconds of each of ``reps`` calls of ``fn`` (after ``warmup`` untimed ones), ``before`` run
+    untimed ahead of every call."""
     times = []
     for i in range(warmup + reps):
         if before is not None:
@@ -256,9 +256,8 @@ def write_method(directory: str, nbytes: int, threads: int) -> str:
 
 def write_ceiling(directory: str, nbytes: int, threads: int, reps: int, chunk: int, method: str = "pwrite",
                   fsync: bool = False) -> list[float]:
-    """A new file of ``nbytes`` written by ``threads`` threads from reused buffers, by ``pwrite``
-    or by copies into a mapping of each chunk's window (fallocated first), then ``fsync`` if
-    asked; each after the last one's output is removed and dirty pages are written back."""
+    """A new file of ``nbytes`` written by ``threads`` threads from reused buffers (``pwrite``, or
+    copies into a mapping of each chunk's window), then ``fsync`` if asked; each run ``settle``d."""
     if method not in WRITE_METHODS:
         raise ValueError(f"write method must be one of {WRITE_METHODS}, got {method!r}")
     bufs = [np.full(chunk, 7, np.uint8) for _ in range(threads)]

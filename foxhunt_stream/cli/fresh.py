@@ -28,8 +28,7 @@ PEER_ENV = {"kvikio": {"KVIKIO_COMPAT_MODE": "ON", "KVIKIO_NTHREADS": "16"}}
 
 def run(case: str, ckpt: str, device: str, files: list[str], timeout: float = 600,
         env: dict[str, str] | None = None) -> dict:
-    """``case`` in a new process (``env``: variables to set there too); what it reported, or
-    ``{"error": ...}`` with the end of its output."""
+    """``case`` in a new process (``env``: more variables): what it reported, or ``{"error": ...}``."""
     env = dict(os.environ, **PEER_ENV.get(case, {}), **(env or {}))
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

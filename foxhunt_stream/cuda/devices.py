@@ -55,8 +55,7 @@ def parse_device(device) -> Device:
 
 
 def check_device(device: Device) -> None:
-    """Raise DeviceError unless ``device`` is a CUDA device that exists; the error says why the
-    GPU cannot be used and what fixes it."""
+    """DeviceError, saying why and what fixes it, unless ``device`` is a CUDA device that exists."""
     if not device.is_cuda:
         return
     try:

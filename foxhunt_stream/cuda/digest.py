@@ -176,9 +176,8 @@ class KernelUnavailable(RuntimeError):
 
 
 def build_kernel(device: int):
-    """The compiled kernel and its keys on ``device`` (built once per process and device: the
-    first call compiles with NVRTC, ``warmup(device, verify=True)`` pays for that up front). A
-    failed build is remembered and raised as KernelUnavailable on every call."""
+    """The compiled kernel and its keys on ``device``, built once per process and device (NVRTC);
+    a failed build is remembered and raised as KernelUnavailable on every call."""
     import cupy as cp
     k = _kernels.get(device)
     if k is None:

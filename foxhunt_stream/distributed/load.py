@@ -159,9 +159,8 @@ class _Exchange:
         return TPSlice(shard.rank, shard.world_size, lambda n: None if n in owned else shard.dim_for(n))
 
     def start(self, source, verify: bool, progress: bool | None, options: dict) -> None:
-        """Phase 2: start reading (in the background) what this rank owns, then its own slices;
-        allocate what it receives whole and the exchange's scratch window; the group agrees on
-        any failure (allocation, the likely one) before the first broadcast."""
+        """Phase 2: start reading what this rank owns, then its own slices; allocate what it
+        receives and the scratch window; the group agrees on any failure before any broadcast."""
         import torch
         error: BaseException | None = None
         try:
@@ -258,8 +257,7 @@ class _Exchange:
             pos += length
 
     def run(self) -> None:
-        """Phase 3: every window in the agreed order, while the owners' reads go on; then what
-        no window carries: this rank's own slices, what only it wanted, zero-byte tensors."""
+        """Phase 3: every window in the agreed order, then what no window carries (own slices...)."""
         remaining = {n: self.plan.union[n].nbytes for n in self.plan.order}
         for w in self.plan.windows:
             self.broadcast(w)

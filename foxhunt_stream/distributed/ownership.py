@@ -34,8 +34,7 @@ def describe(ck: "Checkpoint", name: str) -> TensorDesc:
 
 
 class CheckpointMismatch(ValueError):
-    """The ranks described one tensor differently: they did not open the same checkpoint.
-    ``failures`` maps rank -> message, like ``DistributedLoadError``'s."""
+    """The ranks described one tensor differently (not the same checkpoint); ``failures``: rank -> message."""
 
     def __init__(self, failures: dict[int, str]) -> None:
         self.failures = failures
@@ -69,8 +68,7 @@ def assign_owners(tensors: Iterable[tuple[str, int, str]], world_size: int) -> d
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """One broadcast: ``owner`` sends ``segments`` = [(name, byte start, byte length)], packed
-    back to back (``nbytes`` in all)."""
+    """One broadcast: ``owner`` sends ``segments`` = [(name, byte start, byte length)], back to back."""
     owner: int
     segments: tuple[tuple[str, int, int], ...]
 
@@ -119,8 +117,7 @@ def exchange_windows(tensors: Sequence[tuple[str, int, int]], window_bytes: int)
 
 def merge_selections(selections: Sequence[Mapping[str, TensorDesc]]
                      ) -> tuple[dict[str, TensorDesc], dict[str, set[int]]]:
-    """The union of the ranks' selections (rank r's is ``selections[r]``) and which ranks want
-    each tensor. Raises ``CheckpointMismatch`` when two ranks describe a tensor differently."""
+    """The union of the ranks' selections and which ranks want each tensor (or CheckpointMismatch)."""
     union: dict[str, TensorDesc] = {}
     wanted_by: dict[str, set[int]] = {}
     conflicts = {}

@@ -47,8 +47,7 @@ class Job:
             self._end()
 
     def start(self, hold: int = 0) -> "Job":
-        """Start the workers; the last ``hold`` of them only at ``release()`` (which the caller
-        must make sure happens: until then the job cannot finish)."""
+        """Start the workers; the last ``hold`` of them only at ``release()``, which must come."""
         with self._lock:
             hold = 0 if self._released else max(0, min(hold, self._n - 1))
             self._held = list(range(self._n - hold, self._n))
@@ -94,8 +93,7 @@ class Job:
                 self._end()
 
     def _end(self) -> None:
-        """The job is over: ``on_end``, then the references to the work and its buffers dropped (no
-        device memory kept alive by a reference cycle), then anyone waiting woken."""
+        """The job is over: ``on_end``, the references to the work and its buffers dropped, waiters woken."""
         try:
             if self._on_end is not None:
                 self._on_end(self._error)
@@ -128,13 +126,11 @@ class Job:
 
     @property
     def stopping(self) -> threading.Event:
-        """Set once the job is cancelled or failed, for side work that runs beside the workers
-        (the allocating thread) and must stop with them."""
+        """Set once the job is cancelled or failed: side work beside the workers stops with them."""
         return self._cancel
 
     def finished(self, timeout: float | None = None) -> bool:
-        """Block up to ``timeout`` seconds for every worker to stop; True if they have. Unlike
-        ``wait`` it raises nothing and leaves a running job running."""
+        """Block up to ``timeout`` seconds for every worker to stop; True if they have (raises nothing)."""
         return self._done.wait(timeout)
 
     @property

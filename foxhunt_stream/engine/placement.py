@@ -67,8 +67,7 @@ class Placement:
     framework: str | None = None
 
     def for_names(self, names: Sequence[str]) -> tuple[Device | list[Device], Framework]:
-        """The device of the selected tensors (one for all, or one per name with a device map,
-        each checked to exist) and the framework that makes their arrays."""
+        """The device of the selected tensors (one, or one per name, checked) and their framework."""
         if self.device_map is None:
             return self.device, get_framework(self.framework, self.device)
         devices = resolve_device_map(names, self.device_map)

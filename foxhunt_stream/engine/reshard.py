@@ -17,8 +17,7 @@ __all__ = ["reshard", "save_sharded"]   # save_sharded is the saver's; importabl
 
 
 def _output_directory(out_dir: str, source_paths: list[str]) -> bool:
-    """Check ``out_dir`` (not the source's, no checkpoint in it) and create it when missing;
-    returns whether it was created."""
+    """Check ``out_dir`` (not the source's, holding no checkpoint); create it if missing, and say so."""
     real_out = os.path.realpath(out_dir)
     if any(os.path.realpath(p) == real_out for p in source_paths):
         raise ValueError(f"{out_dir}: source and destination are the same file; reshard writes a directory of "

@@ -50,8 +50,7 @@ class SliceView:
 
 
 class SharedSources:
-    """A handle's open sources, shared with the slices taken from it and with the loads running:
-    closed once the handle is closed and no slice or load uses them any more."""
+    """A handle's open sources, shared with its slices and running loads, closed after the last."""
 
     def __init__(self, sources: list) -> None:
         self.sources = sources
@@ -188,8 +187,7 @@ class safe_open:
 
     def tensors(self, names: Names = None, *, shard: TPSlice | None = None,
                 progress: bool | None = None) -> Iterator[tuple[str, Any]]:
-        """Yield ``(name, array)`` as each tensor lands (file order, or the order of a list);
-        with ``shard``, each array is this rank's slice; ``progress`` as in load_file."""
+        """Yield ``(name, array)`` as each tensor lands (file order, or a list's); ``shard``: slices."""
         chosen = select(self._ck, names)
         load = self._start(chosen, indices_for(self._ck, chosen, shard), progress, per_dest=True)
         finished = False

@@ -216,8 +216,7 @@ def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None,
 
 
 def _save_options(metadata, checksum: str | None, checksum_block: int | None, options: dict):
-    """save_file's and save_sharded's options checked before any work: (settings, metadata
-    without stale digests, the checksum spec or None)."""
+    """save_file's and save_sharded's options checked: (settings, metadata, checksum spec or None)."""
     s = _settings.merge(**options)
     if metadata is not None and not isinstance(metadata, Mapping):
         raise TypeError("metadata must be a mapping of str to str")
@@ -316,8 +315,7 @@ def _read_regular(path: str, limit: int) -> bytes | None:
 
 
 def check_names(tensors: Any) -> None:
-    """``tensors`` is a mapping and every name a str, before any work: a ValueError and a TypeError
-    naming the key, as safetensors raises."""
+    """``tensors`` is a mapping and every name a str (ValueError, TypeError, as safetensors raises)."""
     if not isinstance(tensors, Mapping):
         raise ValueError(f"Expected a dict of [str, array] but received {type(tensors)}")
     for name in tensors:

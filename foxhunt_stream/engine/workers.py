@@ -56,8 +56,8 @@ _parked: list[_Parked] = []
 
 
 def run(fn: Callable[[], None], name: str) -> Task:
-    """Run ``fn()`` on a parked worker thread (the one parked last), or a new one, named ``name``
-    while it runs. ``fn`` handles its own errors: one escaping it is logged."""
+    """Run ``fn()`` on the worker parked last, or a new one, named ``name`` while it runs (an error
+    escaping ``fn`` is logged)."""
     task = Task(fn)
     with _lock:
         slot = _parked.pop() if _parked else None

@@ -72,8 +72,7 @@ def algorithm(name: str) -> Algorithm:
 
 
 def check_block(block_bytes: int) -> int:
-    """A block size must be a power of two in [MIN_BLOCK, MAX_BLOCK] (so it divides into every
-    dtype's itemsize and aligns to every other block size)."""
+    """A block size must be a power of two in [MIN_BLOCK, MAX_BLOCK] (whole items, aligned blocks)."""
     if (type(block_bytes) is not int or block_bytes < MIN_BLOCK or block_bytes > MAX_BLOCK
             or block_bytes & (block_bytes - 1)):
         raise ValueError(f"checksum block size must be a power of two between {MIN_BLOCK} and {MAX_BLOCK}, "

@@ -163,9 +163,8 @@ class Verifier:
         return sorted({c[2].algorithm for c in self._checks if c is not None})
 
     def hash_landed(self, dest: int, buf, stream=None) -> None:
-        """Destination ``dest`` has landed in ``buf`` (its copies queued before ``stream``'s
-        current point, on a GPU). Host bytes are hashed and checked now; device bytes get their
-        block digests computed by a kernel queued on ``stream`` and are checked by ``settle``."""
+        """Destination ``dest`` has landed in ``buf`` (on a GPU: its copies queued before
+        ``stream``'s current point): host bytes checked now, device bytes hashed on ``stream``."""
         h = self._hashers[dest]
         if h is None or not self._landed[dest] or h.size == 0:
             return
@@ -212,9 +211,8 @@ class Verifier:
                     self._pending[d] = ((batch, first[i], first[i + 1]), buf, stream)
 
     def settle(self, dest: int | None = None) -> None:
-        """Check what ``landed`` queued on a GPU (every destination, or just ``dest``): waits for
-        the digests, hashes short last blocks (and unaligned tensors) on the host, raises
-        ChecksumError on a mismatch."""
+        """Check what ``landed`` queued on a GPU (every destination, or just ``dest``), short last
+        blocks and unaligned tensors hashed on the host; ChecksumError on a mismatch."""
         with self._settle_lock:
             self._settle(dest)
             if dest is not None and dest in self._failed:

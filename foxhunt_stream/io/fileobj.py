@@ -101,8 +101,7 @@ def _label(x: Any) -> str:
 
 
 def open_object(x: Any) -> str | tuple[Checkpoint, list[MemorySource]]:
-    """A file object or a buffer as a checkpoint: the path of the file behind its descriptor, or
-    the checkpoint (header read and validated) with its one open source."""
+    """A file object or a buffer as a checkpoint: the path behind its descriptor, or (checkpoint, [source])."""
     if not isinstance(x, (memoryview, bytearray)):
         path = descriptor_path(x)
         if path is not None:

@@ -14,8 +14,7 @@ from ..format.header import MAX_HEADER_SIZE, N_LEN, Header, parse_header, read_h
 
 
 class MemorySource:
-    """The source interface over bytes in memory. Nothing on disk can change under it, so it has
-    no descriptor (``fd = -1``) and the changed-file checks pass it by."""
+    """The source interface over bytes in memory: no descriptor (``fd = -1``), nothing to change."""
 
     backend = "memory"
     direct_reads = True   # reads land straight in any host buffer

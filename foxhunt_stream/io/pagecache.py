@@ -97,8 +97,7 @@ _snapshot: contextvars.ContextVar[dict | None] = contextvars.ContextVar("foxhunt
 
 @contextlib.contextmanager
 def residency_snapshot():
-    """Within the block, each file is sampled once: a load's setup asks about its files several
-    times (read through the cache? gather? cold?), at 0.2-0.3 ms a file on the H200 machine."""
+    """Within the block, each file is sampled once (a load's setup asks several times, 0.2-0.3 ms each)."""
     token = _snapshot.set({})
     try:
         yield

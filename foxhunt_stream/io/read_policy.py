@@ -191,7 +191,7 @@ def _cgroup_headroom() -> int | None:
 
 def available_memory() -> int | None:
     """Bytes of memory the page cache could hold for a load: ``MemAvailable``, capped by the
-    headroom under this process's memory cgroup limit; None where neither can be read."""
+    cgroup's headroom (None where neither can be read)."""
     avail = _mem_available()
     head = _cgroup_headroom()
     if head is None:

@@ -155,9 +155,8 @@ class AtomicFile:
             done += n
 
     def seal(self) -> None:
-        """Every byte written: make them durable (fsync, when asked). The temp file stays open,
-        and locked, and unpublished until ``commit`` (or ``abort``). Idempotent; on failure the
-        caller aborts."""
+        """Every byte written: make them durable (fsync, when asked); the temp file stays open,
+        locked and unpublished until ``commit``. Idempotent; on failure the caller aborts."""
         if self.fd >= 0 and not self._sealed:
             if self.fsync:
                 os.fsync(self.fd)   # also writes back the pages dirtied through mappings

@@ -370,9 +370,8 @@ class DirectSource(FileSource):
 
 
 def open_source(path, backend: str = "pread", expected_size: int | None = None, *, gather: bool = False) -> FileSource:
-    """A source for ``backend``: positional reads (``pread``; with ``gather``, or ``auto``, the
-    file is also mapped and its strided runs gathered out of the mapping), copies out of a mapping
-    (``mmap``) or O_DIRECT reads (``direct``)."""
+    """A source for ``backend`` (module docstring); with ``gather`` a ``pread`` source also maps
+    the file and gathers its strided runs out of the mapping."""
     if backend in ("pread", "auto"):
         return FileSource(path, expected_size, gather=gather or backend == "auto")
     if backend == "mmap":

@@ -45,8 +45,7 @@ def prepare(source: CheckpointSource, model_class, dtype, kwargs: dict) -> Recip
 
 def finish(source: CheckpointSource, r: Recipe, handle, device, model_class, dtype, kwargs: dict,
            warm_forward: bool | None):
-    """The model from ``handle`` (the background load of ``source.weights``) and ``r``, or
-    transformers' own from_pretrained (the load cancelled) when this path cannot serve it."""
+    """The model from ``handle`` and ``r``, or (the load cancelled) transformers' own from_pretrained."""
     try:
         return streamed_model(source, r, handle, device, warm_forward)
     except Unservable as e:

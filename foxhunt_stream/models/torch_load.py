@@ -169,8 +169,7 @@ def _match_handle(model: torch.nn.Module, handle, strict: bool) -> tuple[dict, s
 
 
 def _hand_over(old: torch.Tensor, slots, loaded: torch.Tensor) -> None:
-    """One loaded tensor into the model: a meta tensor takes it (cast if the dtype differs),
-    real storage (maybe elsewhere, maybe another dtype) is filled in place."""
+    """One loaded tensor into the model: a meta tensor takes it (cast), real storage is filled."""
     with torch.inference_mode(False), torch.no_grad():   # a forward's inference_mode must not leak in
         if old.is_meta:
             put(old, slots, loaded if loaded.dtype == old.dtype else loaded.to(old.dtype))

@@ -162,9 +162,8 @@ def put(old: torch.Tensor, slots: list[tuple[torch.nn.Module, str, str]], data: 
 
 
 def swap_tensors(model: torch.nn.Module, new_data) -> list[str]:
-    """Put ``new_data(t)`` in place of each parameter and buffer ``t`` it gives data for (None:
-    keep ``t``), wherever ``t`` sits, so tied tensors stay one tensor and parameters stay
-    parameters. Returns the names replaced, aliases included."""
+    """Put ``new_data(t)`` (None: keep ``t``) in place of each parameter and buffer ``t`` wherever
+    it sits, ties and parameters kept; returns the names replaced, aliases included."""
     done: list[str] = []
     for old, slots in tensor_places(model).values():
         data = new_data(old)

@@ -27,8 +27,7 @@ RESIDENT_SAMPLE = 32
 
 
 def sample_resident(paths: Sequence[str], k: int = RESIDENT_SAMPLE) -> bool:
-    """Whether ``k`` of ``paths``, spread evenly over the list, are all wholly in the page cache:
-    then the start is hot and the small code files need not be read again."""
+    """Whether ``k`` of ``paths``, spread over the list, are wholly in the page cache (a hot start)."""
     if not paths:
         return False
     step = max(1, len(paths) // k)

@@ -194,8 +194,7 @@ def child_main(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) ->
 
 
 def _follow_parent(stdin: BinaryIO, readers: PieceReaders, job: Job) -> None:
-    """The child's control thread: ``fast`` lifts the pace; the end of stdin (the parent
-    cancelled, or is gone) stops the readers after their current step."""
+    """The child's control thread: ``fast`` lifts the pace; the end of stdin stops the readers."""
     for line in stdin:
         if line.strip() == b"fast":
             readers.go_fast()

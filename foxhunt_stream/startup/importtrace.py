@@ -114,8 +114,7 @@ def order_loaded_files(modules: Sequence[tuple[str | None, str | None]], mapped:
 
 
 def merge_ranges(ranges: Sequence[tuple[int, int]], gap: int = MERGE_GAP) -> list[tuple[int, int]]:
-    """Pure: ``(start, end)`` byte ranges sorted and merged where they overlap or lie less than
-    ``gap`` apart (one big read beats many small ones on a disk)."""
+    """Pure: ``(start, end)`` byte ranges sorted, merged where they overlap or lie under ``gap`` apart."""
     out: list[list[int]] = []
     for a, b in sorted(r for r in ranges if r[1] > r[0]):
         if out and a <= out[-1][1] + gap:

@@ -282,9 +282,8 @@ class PrefetchHandle:
             raise RuntimeError(f"prefetch ended before {name!r} was read")
 
     def wait_imports(self, timeout: float | None = None) -> None:
-        """Block until the code files (``imports=`` / ``modules=``) are read and their metadata
-        prefetched; the checkpoint's bytes go on in the background. Cold, ``import torch,
-        transformers`` then took 12.9-13.5 s against 16.3-18.4 s with nothing read ahead."""
+        """Block until the code files are read and their metadata prefetched (cold, ``import torch,
+        transformers`` then took 12.9-13.5 s against 16.3-18.4 s with nothing read ahead)."""
         if self._code is not None:
             self._code.wait(timeout)
 
@@ -298,8 +297,7 @@ class PrefetchHandle:
             job.fast()
 
     def cancel(self) -> None:
-        """Stop the readers and close the files: each reader finishes at most its current call
-        (a 1-64 MiB step of the checkpoint, or one piece of a code file)."""
+        """Stop the readers (each after at most its current call) and close the files."""
         if self._readers is not None:
             self._readers.pacer.release()
         self._job.cancel()

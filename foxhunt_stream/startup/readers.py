@@ -29,8 +29,7 @@ _IOPRIO_WHO_PROCESS, _IOPRIO_CLASS_IDLE, _IOPRIO_CLASS_SHIFT = 1, 3, 13
 
 
 class Piece(NamedTuple):
-    """One unit of a reader's work: ``length`` bytes at ``offset`` of file number ``file`` (a
-    checkpoint file of a prefetch, or a code file of ``code_files.TracedCodeReader``)."""
+    """One unit of a reader's work: ``length`` bytes at ``offset`` of file number ``file``."""
     file: int
     offset: int
     length: int
@@ -105,14 +104,12 @@ class Pacer:
 
 
 def scratch_buffer(nbytes: int = READ_BYTES) -> memoryview:
-    """A writable buffer for the reads ``sendfile`` cannot do: an anonymous mapping, so its pages
-    are only allocated where a read uses them (and no numpy is needed)."""
+    """A writable buffer for the reads ``sendfile`` cannot do: an anonymous mapping (pages on use)."""
     return memoryview(mmap.mmap(-1, nbytes))
 
 
 def advise_all(sources: Iterable[FileSource], advice: str) -> None:
-    """``posix_fadvise(advice)`` on the whole of every source (a hint: where it is refused,
-    nothing changes)."""
+    """``posix_fadvise(advice)`` on the whole of every source (a hint)."""
     for src in sources:
         advise(src.fd, advice)
 
@@ -203,8 +200,7 @@ class PieceReaders:
             self._scratch[worker] = scratch_buffer(max(READ_BYTES, self._step) if self._copy else READ_BYTES)
 
     def teardown(self, worker: int) -> None:
-        """The worker thread goes back to the pool (``engine.workers``) at the I/O priority it came
-        with: the next job it serves may be a load."""
+        """The worker goes back to the pool at the I/O priority it came with (its next job may be a load)."""
         previous = self._io_priority.pop(worker, None)
         if previous is not None:
             set_io_priority(previous)

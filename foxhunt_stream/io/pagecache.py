@@ -27,8 +27,7 @@ _devnull_lock = threading.Lock()
 
 
 def _null_fd() -> int:
-    """Our descriptor of /dev/null, opened once; checked on each use (a daemonising caller may
-    have closed it and the number may name another file now: bytes must never go there)."""
+    """Our descriptor of /dev/null, opened once, checked on each use (its number may be reused)."""
     global _devnull, _devnull_rdev
     fd = _devnull
     if fd >= 0:

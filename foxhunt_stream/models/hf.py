@@ -86,8 +86,7 @@ def streamed_model(source: CheckpointSource, r: Recipe, handle, device, warm_for
 
 
 def checkpoint_dtype(weights: str) -> torch.dtype | str:
-    """What transformers' ``dtype="auto"`` takes when the config names none: the index's
-    ``metadata.dtype``, else the first floating tensor of the first shard (names sorted)."""
+    """``dtype="auto"`` without a config dtype: the index's, else the first shard's first float's."""
     ck = open_checkpoint(weights)
     if ck.index_metadata and "dtype" in ck.index_metadata:
         return ck.index_metadata["dtype"]
@@ -132,8 +131,7 @@ def mark_loaded(t: torch.Tensor) -> None:
 
 
 def values_needed_to_tie(model, plan: KeyPlan) -> list[str]:
-    """Checkpoint names of tied pairs the checkpoint holds both halves of: transformers ties them
-    only if their values are equal, so those two must be loaded before tying."""
+    """Names of tied pairs the checkpoint holds both halves of: loaded before tying (values compared)."""
     by_key = {key: name for name, key in plan.targets.items()}
     out: list[str] = []
     for target, source in getattr(model, "all_tied_weights_keys", {}).items():

@@ -71,8 +71,7 @@ def set_io_priority(value: int) -> bool:
 
 
 class Pacer:
-    """Spaces reads so that together they take at most ``rate`` bytes per second, until
-    ``release()``; ``take(n)`` blocks the calling reader until its ``n`` bytes are due."""
+    """Spaces reads to at most ``rate`` bytes per second until ``release()``: ``take(n)`` blocks."""
 
     def __init__(self, rate: float | None, clock=time.monotonic) -> None:
         if rate is not None and (isinstance(rate, bool) or not rate > 0):

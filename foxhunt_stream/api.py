@@ -1,11 +1,6 @@
-"""The public front door of a load: ``fs.load_file``.
-
-It parses where the tensors go once (``engine.placement``) and hands the load to the engine in
-this process, or, with ``process_group``, to ``distributed`` (every rank of a torch.distributed
-group reads part of the checkpoint and the parts are broadcast). A GPU's pinned staging starts
-being made as soon as the placement is known, before the rest of the loader is imported: in a
-fresh process that import is time the pinning hides.
-"""
+"""The public front door of a load: ``fs.load_file``, handed to the engine in this process or,
+with ``process_group``, to ``distributed``. A GPU's pinned staging starts being made as soon as
+the placement is known, before the rest of the loader is imported."""
 
 from __future__ import annotations
 
@@ -27,18 +22,16 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
               **options) -> dict[str, Any] | LoadHandle:
     """Load the selected tensors of a checkpoint; returns ``{name: array}``.
 
-    ``source`` is a file, a list of files, an index.json or a directory. Unselected bytes are
-    never read. With ``background=True`` returns a ``LoadHandle`` at once. With
-    ``shard=TPSlice(rank, world_size, dim)`` each array is this rank's slice of the tensor. With
-    ``verify=True`` every tensor is checked against the digests saved with it
-    (``save_file(checksum=...)``) as its chunks land; a mismatch raises ChecksumError and nothing
-    is returned. ``progress``: a bar on stderr (None: only on a terminal and past about a second;
-    True: always; False: never). With ``process_group`` (a torch.distributed group; every rank
-    calls this) the checkpoint is read once across the group and shared by broadcasts
-    (``foxhunt_stream.distributed``; framework "pt" only, ``exchange_bytes=`` bounds its memory).
-    With ``device_map={name or prefix: device}`` (instead of ``device``) each tensor lands on the
-    device of the longest key that is its name or a prefix ending at a ``.`` (``""``: the default),
-    several GPUs at once, each with its own streams and staging (``engine.placement``).
+    ``source`` is a file, a list of files, an index.json or a directory; unselected bytes are
+    never read. ``background=True`` returns a ``LoadHandle`` at once. With
+    ``shard=TPSlice(rank, world_size, dim)`` each array is this rank's slice of the tensor.
+    ``verify=True`` checks every tensor against the digests saved with it as its chunks land
+    (ChecksumError, nothing returned). ``progress``: a bar on stderr (None: on a terminal, past
+    about a second). With ``process_group`` (every rank calls this; framework "pt") the checkpoint
+    is read once across the group and shared by broadcasts (``exchange_bytes=`` bounds their
+    memory). With ``device_map={name or prefix: device}`` instead of ``device``, each tensor lands
+    on the device of the longest key that is its name or a prefix ending at a ``.`` (``""``: the
+    default).
     """
     if process_group is None:
         with collector.paused():

@@ -1,10 +1,8 @@
 """Exception types. Every malformed-file problem is a FormatError naming file, rule and tensor.
 
-``SafetensorError`` is the base of every error raised where ``safetensors`` raises its own
-``SafetensorError``, so that code written against the reference catches ours. Each subclass also
-keeps the builtin type it had before (ValueError, KeyError, IndexError...) as a second base.
-Where the reference raises a builtin type, so do we (``SparseTensorError`` is a ValueError,
-``MetaTensorError`` a NotImplementedError, ``NotATensorError`` a ValueError and a TypeError).
+``SafetensorError`` is the base of every error raised where ``safetensors`` raises its own, each
+subclass also keeping its builtin type (ValueError, KeyError...) as a second base; where the
+reference raises a builtin type, so do we.
 """
 
 from __future__ import annotations
@@ -41,11 +39,8 @@ class OptionError(SafetensorError, ValueError):
 
 
 class FormatError(SafetensorError, ValueError):
-    """A safetensors file (or index) breaks a rule of the format.
-
-    ``path``, ``rule`` and ``tensor`` are kept as attributes so callers can tell errors apart
-    without parsing the message.
-    """
+    """A safetensors file (or index) breaks a rule of the format; ``path``, ``rule`` and
+    ``tensor`` are attributes, so callers can tell errors apart without parsing the message."""
 
     def __init__(self, rule: str, detail: str = "", *, path: str | os.PathLike | None = None,
                  tensor: str | None = None) -> None:
@@ -64,7 +59,7 @@ class FormatError(SafetensorError, ValueError):
 
     def with_path(self, path: str | os.PathLike) -> "FormatError":
         """The same error, naming the file (parsing is pure and does not know it)."""
-        return FormatError(self.rule, self.detail, path=path, tensor=self.tensor)
+        return type(self)(self.rule, self.detail, path=path, tensor=self.tensor)
 
 
 class CancelledError(_FutureCancelled):
@@ -124,6 +119,3 @@ class StoreMismatchError(ValueError):
 class ChecksumError(FormatError):
     """A tensor's bytes do not match the digest stored with them (rule ``checksum``), or
     ``verify=True`` found no digest to check (rule ``checksum-missing``). Names file and tensor."""
-
-    def with_path(self, path: str | os.PathLike) -> "ChecksumError":
-        return ChecksumError(self.rule, self.detail, path=path, tensor=self.tensor)

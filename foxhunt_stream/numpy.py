@@ -1,10 +1,8 @@
 """numpy front end: drop-ins for ``safetensors.numpy`` (``save``, ``save_file``, ``load``,
 ``load_file``), same signatures, arrays on the host.
 
-``save`` and ``save_file`` write the bytes safetensors writes (big-endian arrays as little-endian,
-non-contiguous ones row by row), ``save_file`` atomically. ``load`` reads a checkpoint's bytes in
-place; ``load_file`` streams a file as ``foxhunt_stream.load_file`` does, and also takes its
-options, a list of files, an index.json or a directory.
+``save`` and ``save_file`` write the bytes safetensors writes (big-endian and non-contiguous
+arrays too), ``load_file`` takes ``foxhunt_stream.load_file``'s sources and options.
 """
 
 from __future__ import annotations

@@ -2,22 +2,12 @@
 ``save``, ``load_model``, ``save_model`` and the helpers other libraries import from it), same
 signatures, plus ``materialize`` for meta-built modules.
 
-``load_model`` differs from the reference in where the bytes go: instead of loading a second
-copy of every tensor and handing it to ``load_state_dict``, it passes the module's own
-parameters and buffers to ``load_into`` as the destination, so the weights land in place (on
-whatever device each tensor lives) with no second allocation. Only tensors that cannot take the
-bytes as they are - another dtype (cast, as ``load_state_dict`` does), non-contiguous, a device
-the pipeline does not write to, or a state-dict entry that is not a parameter or buffer of the
-module - go through a temporary and ``load_state_dict``.
-
-Shared (tied) tensors follow the reference rules exactly: ``save_file`` and ``save`` refuse
-tensors that share memory; ``save_model`` keeps one name per shared storage and records the
-dropped ones in the metadata; ``load_model`` fills the kept name and reports the others neither
-missing nor (unless the file has them) unexpected. Non-contiguous tensors are saved (row by row),
-where the reference refuses them.
-
-Importing this module imports torch. The machinery is in ``models.torch_load`` and
-``models.torch_state``; this module is the drop-in surface.
+``load_model`` lands the weights in the module's own parameters and buffers (``load_into``), with
+no second copy; only tensors that cannot take the bytes as they are (another dtype, not
+contiguous...) go through a temporary and ``load_state_dict``. Shared tensors follow the
+reference's rules; non-contiguous tensors are saved (row by row), where the reference refuses
+them. Importing this module imports torch; the machinery is in ``models.torch_load`` and
+``models.torch_state``.
 """
 
 from __future__ import annotations
@@ -64,12 +54,9 @@ def _getdtype(dtype_str: str) -> torch.dtype:
 
 def load_file(filename: str | os.PathLike, device: str | int = "cpu", *, backend: str | None = None,
               **options) -> dict[str, torch.Tensor]:
-    """``safetensors.torch.load_file``: ``{name: torch.Tensor}`` on ``device``.
-
-    Also takes a list of files, an index.json or a directory, and the loader's options
-    (``names``, ``background``, ``threads``, ``device_map`` for several GPUs...). ``backend``:
-    "auto", "pread", "mmap" or "direct" (None: the library's choice, "auto").
-    """
+    """``safetensors.torch.load_file``: ``{name: torch.Tensor}`` on ``device``. Also takes a
+    list of files, an index.json or a directory, and the loader's options; ``backend``: "auto"
+    (None), "pread", "mmap" or "direct"."""
     return api.load_file(filename, device=device, framework="pt", backend=backend, **options)
 
 
@@ -99,11 +86,8 @@ def load(data: bytes) -> dict[str, torch.Tensor]:
 def save_model(model: torch.nn.Module, filename: str | os.PathLike, metadata: Mapping[str, str] | None = None,
                force_contiguous: bool = True, **options) -> None:
     """``safetensors.torch.save_model``: the state dict with one name per shared storage (each
-    dropped name recorded in the metadata as ``{dropped: kept}``); byte-identical to the reference.
-
-    ``force_contiguous`` is accepted for compatibility: non-contiguous tensors are always saved
-    (row by row), never copied whole.
-    """
+    dropped name recorded in the metadata as ``{dropped: kept}``); byte-identical to the
+    reference. ``force_contiguous`` is accepted: non-contiguous tensors are always saved."""
     state = model.state_dict()
     meta = dict(metadata) if metadata is not None else None
     for kept, dropped in remove_duplicate_names(state).items():

@@ -5,9 +5,9 @@
     import torch, transformers
     model = fs.transformers.from_pretrained("llama/", device="cuda:0")
 
-The result is what ``model_class.from_pretrained(path, dtype=dtype, device_map=device)`` gives --
-same class, state dict, buffers, ties, eval mode, generation config, load report -- with the
-weights streamed by foxhunt_stream. Needs torch and transformers (``pip install torch 'transformers>=5.17,<6'``, or the checkout's ``transformers`` extra).
+The result is what ``model_class.from_pretrained(path, dtype=dtype, device_map=device)`` gives,
+with the weights streamed by foxhunt_stream. Needs torch and transformers
+(``pip install torch 'transformers>=5.17,<6'``, or the checkout's ``transformers`` extra).
 """
 
 from __future__ import annotations
@@ -36,20 +36,16 @@ def from_pretrained(path: str | os.PathLike, device: Any = "cuda:0", model_class
     Other keywords are transformers' own (``attn_implementation``, config overrides,
     ``ignore_mismatched_sizes``, ``output_loading_info`` -- then ``(model, info)``...).
 
-    The load starts once transformers has read the config and imported the model's code (its
-    lazy imports are seconds of pure Python that the load's threads would slow); the model on
-    the meta device, its non-persistent buffers (computed by each architecture's own
-    initialisation) and its ties are made while it runs. The call returns only
-    when every tensor has landed: nothing reachable from the model is ever on the meta device.
-    With ``warm_forward`` (default: on for CUDA) a one-token forward runs while the weights stream
-    in, each module waiting for its own tensors, so the first forward's one-time costs (kernel
-    loading, cuBLAS) are paid during the load; what it changed on the modules is put back.
+    The load starts once transformers has read the config and imported the model's code; the
+    model is built on the meta device and tied while it runs, and the call returns only when
+    every tensor has landed. With ``warm_forward`` (default: on for CUDA) a one-token forward
+    runs while the weights stream in, so the first forward's one-time costs are paid during the
+    load; what it changed on the modules is put back.
 
-    Missing, unexpected and mismatched tensors are reported as transformers reports them (its
-    load report; a size mismatch raises unless ``ignore_mismatched_sizes``). What this path cannot
-    serve -- quantized checkpoints, weight conversions such as fused MoE experts, remote code,
-    adapters, ``.bin`` weights, ``device_map``/``variant``/``gguf_file``... -- is loaded by
-    transformers' own ``from_pretrained``, with a warning naming the reason.
+    Missing, unexpected and mismatched tensors are reported in transformers' load report. What
+    this path cannot serve (quantized checkpoints, weight conversions, remote code, adapters,
+    ``.bin`` weights, ``device_map``...) is loaded by transformers' own ``from_pretrained``, with a
+    warning naming the reason.
     """
     auto_name = "AutoModelForCausalLM" if model_class is None else (
         model_class.__name__ if getattr(model_class, "_model_mapping", None) is not None else None)

@@ -1,17 +1,12 @@
 """The built-in benchmark (``python -m foxhunt_stream bench``).
 
-It measures, in one run and on the best device present (a CUDA GPU when cupy finds one, else
-the CPU, saying why a GPU it sees cannot be used): the ceilings of this machine
-(``ceilings``), foxhunt_stream's load and save, and safetensors' (plus, with ``peers=True``,
-the peer loaders that happen to be installed). Every load runs in a new process, as a server's
-(``fresh``): the headline is foxhunt_stream's first load there, with the second in the same
-process beside it. Every figure names the ceiling it is compared
-with, one that does the same work: a load to a GPU against the slower of page cache -> pinned
-and pinned -> device; a save against a write of the same size by the same method (``pwrite``,
-or copies into a mapping where the saver maps), with fsync when the save syncs, and on a GPU
-also against the pinned device -> host copy. Each figure is the median of ``reps`` runs; GB/s =
-bytes / seconds / 1e9. With no source it writes a synthetic bf16 checkpoint with Llama-like
-tensor shapes in a temporary directory.
+It measures, in one run on the best device present (saying why a GPU it sees cannot be used),
+this machine's ceilings (``ceilings``), foxhunt_stream's load and save and safetensors' (with
+``peers=True`` also the peer loaders installed). Every load runs in a new process (``fresh``);
+every figure names the ceiling that does the same work (a load to a GPU: the slower of page
+cache -> pinned and pinned -> device; a save: a write of the same size by the same method). Each
+figure is the median of ``reps`` runs; GB/s = bytes / seconds / 1e9. With no source it writes a
+synthetic bf16 checkpoint with Llama-like shapes in a temporary directory.
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import glob
+import importlib
 import json
 import os
 import platform
@@ -37,11 +33,11 @@ from ..cuda.devices import CPU, Device, check_device, cupy, parse_device
 from ..io.checkpoint import Checkpoint, open_checkpoint
 from . import ceilings as ce
 from . import fresh
-from . import peers as pe
 from .text import describe_error, fmt_bytes
 
 DEFAULT_SIZE = {"cpu": 1 << 30, "cuda": 8 << 30}   # GPU figures want >= 8 GiB (DESIGN.md)
 GPU_FIX = "pip install cupy-cuda13x (or cupy-cuda12x for a CUDA 12 driver)"
+SAFETENSORS_HINT = "pip install safetensors (or the checkout's test extra: pip install -e '.[test]')"
 
 
 # ---------------------------------------------------------------- results
@@ -99,8 +95,7 @@ class Report:
 
 
 def report_lines(report: Report) -> list[str]:
-    """The printed table: ceilings lettered [a], [b]...; every other figure shows its ratio to
-    the ceiling it is bounded by, and that ceiling's letter."""
+    """The printed table: ceilings lettered [a], [b]...; each other figure with its ratio to one."""
     ck = report.checkpoint
     device = report.device + (f" ({report.device_note})" if report.device_note else "")
     lines = [f"foxhunt-stream {__version__} bench: {device}, {report.threads} threads, "
@@ -110,12 +105,11 @@ def report_lines(report: Report) -> list[str]:
     letters = {r.name: f"[{chr(ord('a') + i)}]" for i, r in enumerate(x for x in report.rows if x.group == "ceiling")}
     width = max([len(r.name) + 4 for r in report.rows] + [24]) + 2
     lines.append(f"{'':{width}}{'GB/s':>8}  {'x ceiling':>11}  {'median s':>9}  note")
-    titles = {"ceiling": "ceilings", "load": "load", "save": "save"}
     group = None
     for r in report.rows:
         if r.group != group:
             group = r.group
-            lines.append(titles.get(group, group))
+            lines.append("ceilings" if group == "ceiling" else group)
         name = f"{letters[r.name]} {r.name}" if r.name in letters else r.name
         g = f"{r.gbps:8.2f}" if r.gbps else f"{'-':>8}"
         ratio = report.ratio(r)
@@ -126,7 +120,23 @@ def report_lines(report: Report) -> list[str]:
     return lines
 
 
-# ---------------------------------------------------------------- the device
+# ---------------------------------------------------------------- the device and the optional packages
+
+def optional(module: str):
+    """The module, or None when it is absent or its install is broken (a missing shared library)."""
+    try:
+        return importlib.import_module(module)
+    except Exception:
+        return None
+
+
+def torch_cuda(device: Device):
+    """torch when it can reach ``device`` (a GPU); None on the CPU, so CPU runs never import it."""
+    if not device.is_cuda:
+        return None
+    torch = optional("torch")
+    return torch if torch is not None and torch.cuda.is_available() else None
+
 
 def gpu_present() -> bool:
     """Whether the machine shows an NVIDIA GPU (driver files), whatever Python can reach."""
@@ -143,8 +153,7 @@ def why_no_gpu(error: BaseException) -> str:
 
 
 def pick_device(device: str | None) -> tuple[Device, str]:
-    """The device to measure and a note on it. ``None``/``"auto"``: cuda:0 when cupy and a CUDA
-    device are present, else the CPU, with why a GPU the machine shows cannot be used."""
+    """The device to measure and a note on it (``None``/``"auto"``: cuda:0 if usable, else the CPU)."""
     if device in (None, "auto"):
         try:
             dev = Device("cuda", 0)
@@ -161,7 +170,7 @@ def _free_gpu(device: Device) -> None:
     if not device.is_cuda:
         return
     cupy().get_default_memory_pool().free_all_blocks()
-    torch = pe.torch_cuda(device)
+    torch = torch_cuda(device)
     if torch is not None:
         torch.cuda.empty_cache()
 
@@ -181,9 +190,8 @@ def run(source=None, *, device: str | None = None, size: int | str | None = None
         cold: bool = False, peers: bool = False, reps: int = 3, saves: bool = True, workdir: str | None = None,
         log: Callable[[str], None] | None = None, warn: Callable[[str], None] | None = None,
         **options) -> Report:
-    """Run the benchmark and return its Report (``Report.table()`` prints it). ``size`` (synthetic
-    checkpoint only) defaults to 1 GiB on the CPU and 8 GiB on a GPU. ``warn`` receives what the
-    reader must not miss (a GPU not used, comparisons left out), ``log`` the progress."""
+    """Run the benchmark and return its Report. ``size`` (synthetic checkpoint only): 1 GiB on the
+    CPU, 8 GiB on a GPU by default. ``warn`` receives what must not be missed, ``log`` progress."""
     say = log or (lambda msg: None)
     alert = warn or (lambda msg: None)
     dev, device_note = pick_device(device)
@@ -235,16 +243,15 @@ def _new_report(ck: Checkpoint, source, description: str, dev: Device, device_no
 
 def _loads(report: Report, ck: Checkpoint, source, dev: Device, peers: bool, reps: int, before, chunk: int,
            say) -> None:
-    """Every load in a new process (``fresh``: the clock from before the loader's import to the
-    tensors on the device), as a server and each tensor-parallel rank meet it: foxhunt_stream's
-    first load, and a second in the same process beside it; then safetensors and, with ``peers``,
-    the peer loaders installed here, the same way. Cases take turns within each rep."""
+    """Every load in a new process (``fresh``): foxhunt_stream's first load and a second in the
+    same process, then safetensors and, with ``peers``, the peer loaders installed here; the
+    cases take turns within each rep."""
     ceiling = _load_ceilings(report, ck, dev, chunk, reps, before, say)
     nbytes = report.checkpoint["bytes"]
     cases = ["foxhunt", "safetensors"] + ([c for c in fresh.PEERS if c != "safetensors"] if peers and dev.is_cuda else [])
-    absent = [c for c in cases[1:] if pe.optional(c) is None]   # the children see what this process sees
+    absent = [c for c in cases[1:] if optional(c) is None]   # the children see what this process sees
     for c in absent:
-        report.notes.append(f"safetensors is not installed: its comparison rows are left out ({pe.SAFETENSORS_HINT})"
+        report.notes.append(f"safetensors is not installed: its comparison rows are left out ({SAFETENSORS_HINT})"
                             if c == "safetensors" else f"{c} is not installed")
     cases = [c for c in cases if c not in absent]
     runs: dict[str, list[dict]] = {c: [] for c in cases}
@@ -307,8 +314,7 @@ def _load_ceilings(report: Report, ck: Checkpoint, dev: Device, chunk: int, reps
 
 
 def _save_ceilings(report: Report, tmp: str, dev: Device, chunk: int, reps: int, say) -> tuple[str, str, str]:
-    """Measure what the saves are compared with; returns the ceiling names for (foxhunt_stream's
-    save, safetensors' save, foxhunt_stream's save with fsync)."""
+    """The save ceilings' names for foxhunt_stream's save, safetensors' and foxhunt_stream's with fsync."""
     nbytes, threads = report.checkpoint["bytes"], report.threads
     say("measuring write ceilings ...")
     method = ce.write_method(tmp, nbytes, threads)
@@ -336,7 +342,7 @@ def _save_ceilings(report: Report, tmp: str, dev: Device, chunk: int, reps: int,
 
 def _saves(report: Report, source, dev: Device, reps: int, tmp: str, chunk: int, say) -> None:
     import foxhunt_stream as fs
-    torch = pe.torch_cuda(dev)
+    torch = torch_cuda(dev)
     framework = "pt" if (dev.is_cuda and torch is not None) else None
     tensors = fs.load_file(source, device=str(dev), framework=framework, progress=False)
     fs_ceiling, st_ceiling, sync_ceiling = _save_ceilings(report, tmp, dev, chunk, reps, say)
@@ -344,7 +350,7 @@ def _saves(report: Report, source, dev: Device, reps: int, tmp: str, chunk: int,
     note = "no fsync" + ("; cupy arrays (bf16 as U16)" if dev.is_cuda and framework is None else "")
     rows = [("foxhunt_stream save_file", lambda: fs.save_file(tensors, out, fsync=False, progress=False),
              fs_ceiling, note)]
-    st = pe.optional("safetensors.torch" if dev.is_cuda else "safetensors.numpy")
+    st = optional("safetensors.torch" if dev.is_cuda else "safetensors.numpy")
     if st is not None and (torch is not None or not dev.is_cuda):
         where = f" (from {dev})" if dev.is_cuda else ""
         rows.append((f"{st.__name__} save_file{where}", lambda: st.save_file(tensors, out), st_ceiling, "no fsync"))

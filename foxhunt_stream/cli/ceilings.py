@@ -1,12 +1,7 @@
 """What this machine allows, measured in the same run as the figures compared with it, and the
-synthetic checkpoint that the benchmarks load.
-
-Each ceiling does the same kind of work as the figures it bounds, minus the library's
-bookkeeping: a threaded host memcpy; positional reads of whole files into reused buffers (the
-page cache, or the disk after a drop); writes of a new file by ``pwrite`` or by copies into a
-shared mapping (what the saver does on tmpfs), with or without ``fsync``; on a GPU, one pinned
-host <-> device copy timed with CUDA events. A figure above its own ceiling is noise, or a
-ceiling that measures something else.
+synthetic checkpoint that the benchmarks load. Each ceiling does the work of the figures it
+bounds minus the library's bookkeeping: a threaded memcpy, ``preadv`` of whole files, writes of a
+new file (``pwrite`` or mapped copies, fsync or not), one pinned host <-> device copy.
 """
 
 from __future__ import annotations
@@ -16,12 +11,12 @@ import json
 import math
 import mmap
 import os
-import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from ..engine.pipeline import Job
 from ..format.plan import in_turn
 from ..io.checkpoint import INDEX_NAME
 from ..io.pagecache import resident_fraction
@@ -85,8 +80,7 @@ def make_synthetic(directory: str, size_bytes: int | None = None, shards: int = 
     or the directory when sharded, with its ``model.safetensors.index.json``).
 
     ``shapes``: (name, shape) pairs, by default ``llama_shapes(size_bytes)``. The values are bf16
-    draws of N(0, 0.02) from one pool that each tensor views at its own offset, so memory stays at
-    the largest tensor whatever the checkpoint's size, and a forward pass sees plausible weights.
+    draws of N(0, 0.02) from one pool each tensor views at its own offset (memory: the largest).
     """
     from .. import save_file
 
@@ -130,12 +124,9 @@ def _value_pool(elements: int) -> np.ndarray:
 # ---------------------------------------------------------------- the page cache
 
 def drop_caches(paths: Iterable[str] = (), whole_cache: bool = False) -> str:
-    """Evict ``paths`` from the page cache and return how.
-
-    First ``fsync`` and ``posix_fadvise(DONTNEED)`` per file (only these files; the advice drops
-    clean pages only, hence the fsync). Then ``/proc/sys/vm/drop_caches`` (every file of the
-    machine, root only) when pages of ``paths`` stayed resident, or always with ``whole_cache``:
-    a cold start, whose libraries must come off the disk too (PermissionError without root)."""
+    """Evict ``paths`` from the page cache and return how: ``fsync`` and
+    ``posix_fadvise(DONTNEED)`` per file, then ``/proc/sys/vm/drop_caches`` (root only) when pages
+    stayed resident, or always with ``whole_cache`` (PermissionError without root)."""
     paths = [os.fspath(p) for p in paths]
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
@@ -176,8 +167,8 @@ def resident(paths: Sequence[str]) -> float:
 
 def measure(fn: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None,
             warmup: int = 0) -> list[float]:
-    """Seconds of each of ``reps`` calls of ``fn`` (after ``warmup`` untimed ones); ``before``
-    runs untimed ahead of every call (dropping caches); what ``fn`` returns is freed first."""
+    """Seconds of each of ``reps`` calls of ``fn`` (after ``warmup`` untimed ones), ``before`` run
+    untimed ahead of every call."""
     times = []
     for i in range(warmup + reps):
         if before is not None:
@@ -192,29 +183,9 @@ def measure(fn: Callable[[], Any], reps: int, before: Callable[[], Any] | None =
 
 
 def parallel(items: Sequence[Any], work: Callable[[int, Any], None], threads: int) -> None:
-    """``work(worker, item)`` for every item on ``threads`` plain threads, each taking the next
-    item as it finishes one; the first error is raised once all have stopped."""
-    it = iter(items)
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def loop(worker: int) -> None:
-        while not errors:
-            with lock:
-                item = next(it, None)
-            if item is None:
-                return
-            try:
-                work(worker, item)
-            except BaseException as e:
-                errors.append(e)
-    pool = [threading.Thread(target=loop, args=(w,), daemon=True) for w in range(max(1, threads))]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    if errors:
-        raise errors[0]
+    """``work(worker, item)`` for every item on ``threads`` worker threads (a ``pipeline.Job``),
+    each taking the next item as it finishes one; the first error is raised once all have stopped."""
+    Job(items, work, max(1, threads), name="foxhunt-ceiling").start().wait()
 
 
 def pieces(total: int, chunk: int) -> list[tuple[int, int]]:
@@ -239,10 +210,8 @@ def memcpy_ceiling(nbytes: int, threads: int, reps: int, chunk: int) -> list[flo
 def read_ceiling(paths: Sequence[str], threads: int, reps: int, chunk: int, slots: Sequence[np.ndarray],
                  before: Callable[[], Any] | None = None, warmup: int | None = None, streams: int = 1) -> list[float]:
     """``preadv`` of every byte of ``paths``, each worker into its own reused buffer (``slots``:
-    pinned ones for a GPU): what the page cache, or cold the disk, gives with no page faults on
-    the destination side. One untimed warm-up unless ``before`` drops the cache. ``streams``:
-    each file read as that many stretches, each through a descriptor of its own, their pieces
-    taken in turn (how a load reads a cold file: ``FileSource.read_in_streams``)."""
+    pinned ones for a GPU); one untimed warm-up unless ``before`` drops the cache. ``streams``:
+    each file read as that many stretches, a descriptor each, taken in turn (as a cold load)."""
     streams = max(1, streams)
     items = []
     for p in paths:
@@ -277,8 +246,7 @@ WRITE_METHODS = ("pwrite", "mapped")
 
 
 def write_method(directory: str, nbytes: int, threads: int) -> str:
-    """How ``save_file`` writes ``nbytes`` into ``directory`` with ``threads`` threads by default:
-    "mapped" (copies into a shared mapping, as on tmpfs) or "pwrite" (the sink decides)."""
+    """How ``save_file`` writes ``nbytes`` into ``directory`` with ``threads``: "mapped" or "pwrite"."""
     sink = AtomicFile(os.path.join(directory, "write-method-probe"), nbytes, fsync=False, writers=threads)
     try:
         return "mapped" if sink.backend == "mmap" else "pwrite"
@@ -288,10 +256,8 @@ def write_method(directory: str, nbytes: int, threads: int) -> str:
 
 def write_ceiling(directory: str, nbytes: int, threads: int, reps: int, chunk: int, method: str = "pwrite",
                   fsync: bool = False) -> list[float]:
-    """A new file of ``nbytes`` written by ``threads`` threads from reused buffers, by ``pwrite``
-    or by copies into a shared mapping of each chunk's window (fallocated first, as the saver's
-    mapped sink does), then ``fsync`` if asked. Each write starts after the last one's output is
-    removed and the machine's dirty pages are written back."""
+    """A new file of ``nbytes`` written by ``threads`` threads from reused buffers (``pwrite``, or
+    copies into a mapping of each chunk's window), then ``fsync`` if asked; each run ``settle``d."""
     if method not in WRITE_METHODS:
         raise ValueError(f"write method must be one of {WRITE_METHODS}, got {method!r}")
     bufs = [np.full(chunk, 7, np.uint8) for _ in range(threads)]
@@ -319,13 +285,9 @@ def write_ceiling(directory: str, nbytes: int, threads: int, reps: int, chunk: i
 
 
 def writer_counts(threads: int, method: str) -> list[int]:
-    """The writer counts a write ceiling tries. The kernel serializes writes to one file (pwrite:
-    its inode lock; mapped copies: mapping and unmapping each window takes the file's mapping lock
-    and interrupts every CPU running a writer), so more writers can cost more than they bring,
-    and a saver, whose writers also wait on the device, may reach more than ``threads`` writers
-    writing flat out: on one H200 machine (16 vCPU), a save into /dev/shm ran at 6.99 GB/s against
-    4.89 for 16 writers of mapped copies. pwrite: 1 and ``threads``; mapped: ``threads``, half and
-    a quarter of them."""
+    """The writer counts a write ceiling tries (pwrite: 1 and ``threads``; mapped: ``threads``,
+    half and a quarter): the kernel serializes writes to one file, so fewer writers can be faster
+    (a save into /dev/shm ran at 6.99 GB/s against 4.89 for 16 writers of mapped copies)."""
     if method == "pwrite":
         return sorted({1, threads})
     return sorted({threads, max(1, threads // 2), max(1, threads // 4)})
@@ -333,8 +295,7 @@ def writer_counts(threads: int, method: str) -> list[int]:
 
 def best_write_ceiling(directory: str, nbytes: int, threads: int, reps: int, chunk: int, method: str = "pwrite",
                        fsync: bool = False) -> tuple[list[float], str]:
-    """``write_ceiling`` by each of ``writer_counts``, the fastest (by median). Returns its times
-    and who wrote them."""
+    """``write_ceiling`` by each of ``writer_counts``: the fastest's times, and who wrote them."""
     def median(t: list[float]) -> float:
         return sorted(t)[len(t) // 2]
     counts = writer_counts(threads, method)

@@ -1,19 +1,13 @@
 """One load in a new process, timed as a server meets it: ``run(case, ...)``.
 
-An inference server loads its weights once per process, and each tensor-parallel rank is a
-process of its own, so the load that counts is the first one in a fresh process. ``run`` starts
-this file as a script in a new Python process (so that nothing of foxhunt_stream is imported
-before the clock). On a GPU the child imports torch and makes its CUDA context first, untimed;
-then the clock starts, before the loader's own import, and stops once the tensors are on the
-device. The child prints one line of JSON, which ``run`` returns.
+A server loads once per process, so ``run`` starts this file as a script in a new Python process
+(on a GPU its CUDA context made first, untimed), timed from before the loader's import until the
+tensors are on the device; the child prints one line of JSON, which ``run`` returns.
 
-Cases: ``foxhunt`` (then a second load in the same process, timed alone), ``tp_llama`` and
-``tp_rows`` (rank 0 of TP=8: o/down by columns and the rest by rows, or all by rows),
-``safetensors``, ``instanttensor`` (its buffered backend), ``kvikio`` (the raw bytes of each
-file's data region into one GPU buffer per file: a C++ reference for moving the bytes),
-``fastsafetensors`` (no GDS), ``ceiling`` (one pinned host -> device copy of 1 GiB). On the host
-(``device="cpu"``) the foxhunt and safetensors cases return numpy arrays and import no torch.
-A peer that is not installed answers ``{"skipped": ...}``.
+Cases: ``foxhunt`` (then a second load, timed alone), ``tp_llama`` and ``tp_rows`` (rank 0 of
+TP=8), ``safetensors``, ``instanttensor``, ``kvikio`` (each file's raw data region into one GPU
+buffer), ``fastsafetensors`` (no GDS), ``ceiling`` (a pinned host -> device copy of 1 GiB). A
+peer that is not installed answers ``{"skipped": ...}``.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ PEER_ENV = {"kvikio": {"KVIKIO_COMPAT_MODE": "ON", "KVIKIO_NTHREADS": "16"}}
 
 def run(case: str, ckpt: str, device: str, files: list[str], timeout: float = 600,
         env: dict[str, str] | None = None) -> dict:
-    """``case`` in a new process (``env``: variables to set there too); what it reported, or
-    ``{"error": ...}`` with the end of its output."""
+    """``case`` in a new process (``env``: more variables): what it reported, or ``{"error": ...}``."""
     env = dict(os.environ, **PEER_ENV.get(case, {}), **(env or {}))
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

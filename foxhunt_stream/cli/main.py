@@ -84,8 +84,7 @@ def checkpoint_summary(source: str, ck: Checkpoint) -> dict[str, Any]:
 
 
 def _json_text(info: dict[str, Any]) -> str:
-    """Indented JSON with one compact line per tensor: readable, and quick for 100k tensors
-    (an indented dump goes through the pure-Python encoder)."""
+    """Indented JSON with one compact line per tensor (quick for 100k tensors)."""
     head = {k: v for k, v in info.items() if k != "tensors"}
     text = json.dumps(head, indent=2, ensure_ascii=False)
     rows = ",\n".join("    " + json.dumps(t, ensure_ascii=False) for t in info["tensors"])
@@ -139,9 +138,9 @@ def cmd_inspect(args) -> int:
 # ---------------------------------------------------------------- verify
 
 def cmd_verify(args) -> int:
+    checks = "headers" + (", index" if _source_kind(args.source) == "index" else "")
     if args.headers_only:
         ck = open_checkpoint(args.source)
-        checks = "headers" + (", index" if _source_kind(args.source) == "index" else "")
         total = sum(info.nbytes for _, info in ck.names.values())
         print(f"OK {args.source}: {len(ck.paths)} file(s), {len(ck.names):,} tensors, {fmt_bytes(total)}; "
               f"checked: {checks} (no data read)")
@@ -153,7 +152,7 @@ def cmd_verify(args) -> int:
     else:
         digests = "no checksums stored (save with checksum='xxh3-64' to have them)"
     print(f"OK {args.source}: {len(r.files)} file(s), {r.tensors:,} tensors, {fmt_bytes(r.bytes_read)} read; "
-          f"headers{', index' if _source_kind(args.source) == 'index' else ''}, every byte readable; {digests}")
+          f"{checks}, every byte readable; {digests}")
     return EXIT_OK
 
 

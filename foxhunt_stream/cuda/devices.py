@@ -1,8 +1,5 @@
-"""Devices: parse a device argument, check that a GPU exists, and one stream per worker per GPU.
-
-The CUDA runtime (``runtime``) is imported lazily, so ``import foxhunt_stream`` works on a
-machine without it.
-"""
+"""Devices: parse a device argument, check that a GPU exists, and one stream per worker per GPU
+(the CUDA runtime imported lazily: ``import foxhunt_stream`` works on a machine without it)."""
 
 from __future__ import annotations
 
@@ -58,8 +55,7 @@ def parse_device(device) -> Device:
 
 
 def check_device(device: Device) -> None:
-    """Raise DeviceError unless ``device`` is a CUDA device that exists; the error says why the
-    GPU cannot be used and what fixes it."""
+    """DeviceError, saying why and what fixes it, unless ``device`` is a CUDA device that exists."""
     if not device.is_cuda:
         return
     try:

@@ -25,8 +25,7 @@ NO_DRIVER = ("no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded): 
 
 
 def no_runtime(torch: TorchFacts, cupy_installed: bool, driver: bool = True) -> str:
-    """Neither cupy's CUDA runtime nor one torch loaded is in the process: why, and the fixes
-    (``driver``: whether the NVIDIA driver's library loads at all; without it, that is the cause)."""
+    """No CUDA runtime of cupy or torch in the process: why, and the fixes (``driver``: it loads)."""
     if not driver:
         return NO_DRIVER
     why = ["cupy did not import" if cupy_installed else "cupy is not installed"]

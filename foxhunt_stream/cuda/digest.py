@@ -1,24 +1,10 @@
 """Checksum blocks hashed where the bytes already are: xxh3-64 block digests on the GPU.
 
-Why: on an H200 machine with 16 vCPU ``verify=True`` hashing on the host cost +29-41% of a hot
-load (benchmarks/RESULTS.md, verify): the host's memory bandwidth is what the page-cache reads
-already use up, and hashing is one more read of every byte. The GPU's memory has bandwidth to
-spare, so the landed bytes can be hashed there instead, block by block, many blocks at once.
-
-The digest is XXH3-64 with seed 0 and the default secret (the same value python-xxhash's
-``xxh3_64_intdigest`` gives), written from the algorithm's specification for inputs longer than
-240 bytes; shorter blocks (a tensor's last block can be any size) are hashed on the host. Two
-implementations of the same steps: ``xxh3_64_long`` (numpy, vectorized over blocks: the
-reference, checked against python-xxhash in the tests) and a CUDA kernel (``block_digests``),
-checked against the reference on a GPU.
-
-Used by ``load_file(..., verify=True)`` on a GPU (``verify_on="auto"``, the default, or
-``"landed"``; integrity.Verifier.landed / landed_batch): a plain load hashes every tensor in one
-launch once its copies are done (``spans_digests`` over a table of every block), ``tensors()`` and
-background handles each tensor as it lands. Checked on an H200 (tests/cuda/test_cuda_digest.py,
-the GPU tests of tests/integrity/test_checksums.py): digests equal python-xxhash's; verify=True
-costs +1-5% of a hot 16 GB load this way against +33-47% hashing on the host
-(benchmarks/RESULTS.md, verify).
+Hashing on the host is one more read of every byte over the memory bandwidth the page-cache reads
+already use; on the GPU ``verify=True`` costs +1-5% of a hot 16 GB load against +33-47% on the
+host (docs/architecture.md, ``verify_on``). The digest is XXH3-64 with seed 0 and the default
+secret, written from the specification for inputs longer than 240 bytes (shorter blocks are
+hashed on the host) as a CUDA kernel (``spans_digests``), checked against python-xxhash.
 """
 
 from __future__ import annotations
@@ -41,75 +27,13 @@ SECRET = bytes((
     0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
     0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
 ))
-P32_1, P32_2, P32_3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
-P64_1, P64_2, P64_3, P64_4, P64_5 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
-                                      0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5)
-MIX = 0x165667919E3779F9
-INIT_ACC = (P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1)
-STRIPE = 64                              # bytes per stripe: 8 lanes of 8 bytes
-STRIPES_PER_BLOCK = (len(SECRET) - STRIPE) // 8   # 16: the secret advances 8 bytes per stripe
-BLOCK = STRIPE * STRIPES_PER_BLOCK       # 1024 bytes between scrambles
-MIN_LONG = 241                           # shorter inputs take the short-input paths (host only)
+STRIPE = 64          # bytes per stripe: 8 lanes of 8 bytes
+MIN_LONG = 241       # shorter inputs take the short-input paths (host only)
+
 
 def _secret_words(offset: int) -> np.ndarray:
     """The 8 little-endian 64-bit words of the secret starting at byte ``offset`` (any offset)."""
     return np.frombuffer(SECRET[offset:offset + 64], "<u8").astype(np.uint64)
-
-
-def _mul_fold64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Low 64 bits XOR high 64 bits of the 128-bit products ``a * b`` (elementwise)."""
-    m32 = np.uint64(0xFFFFFFFF)
-    s32 = np.uint64(32)
-    a_lo, a_hi, b_lo, b_hi = a & m32, a >> s32, b & m32, b >> s32
-    ll, lh, hl, hh = a_lo * b_lo, a_lo * b_hi, a_hi * b_lo, a_hi * b_hi
-    cross = (ll >> s32) + (lh & m32) + hl          # < 3 * 2**32: no overflow
-    lo = (cross << s32) | (ll & m32)
-    hi = hh + (lh >> s32) + (cross >> s32)
-    return lo ^ hi
-
-
-def _accumulate(acc: np.ndarray, data: np.ndarray, keys: np.ndarray) -> None:
-    """One stripe for every block: ``data`` [n, 8] words, ``keys`` [8] words."""
-    dk = data ^ keys
-    acc += data[:, [1, 0, 3, 2, 5, 4, 7, 6]]        # lane i gets the word of lane i ^ 1
-    acc += (dk & np.uint64(0xFFFFFFFF)) * (dk >> np.uint64(32))
-
-
-def xxh3_64_long(blocks: np.ndarray) -> np.ndarray:
-    """XXH3-64 (seed 0) of each row of ``blocks`` (uint8, [n, length], length >= 241): a
-    uint64 array of n digests. Vectorized over rows; slow per byte (a reference, not a hasher)."""
-    n, length = blocks.shape
-    if length < MIN_LONG:
-        raise ValueError(f"xxh3_64_long needs rows of at least {MIN_LONG} bytes, got {length}")
-    words = np.ascontiguousarray(blocks).view("<u8") if length % 8 == 0 else None
-    with np.errstate(over="ignore"):
-        acc = np.tile(np.array(INIT_ACC, np.uint64), (n, 1))
-
-        def stripe(pos: int) -> np.ndarray:
-            if words is not None and pos % 8 == 0:
-                return words[:, pos // 8:pos // 8 + 8].astype(np.uint64)
-            return np.ascontiguousarray(blocks[:, pos:pos + STRIPE]).view("<u8").astype(np.uint64)
-
-        n_blocks = (length - 1) // BLOCK
-        scramble_keys = _secret_words(len(SECRET) - STRIPE)
-        for b in range(n_blocks):
-            for s in range(STRIPES_PER_BLOCK):
-                _accumulate(acc, stripe(b * BLOCK + s * STRIPE), _secret_words(s * 8))
-            acc ^= acc >> np.uint64(47)
-            acc ^= scramble_keys
-            acc *= np.uint64(P32_1)
-        last_stripes = ((length - 1) - n_blocks * BLOCK) // STRIPE
-        for s in range(last_stripes):
-            _accumulate(acc, stripe(n_blocks * BLOCK + s * STRIPE), _secret_words(s * 8))
-        _accumulate(acc, stripe(length - STRIPE), _secret_words(len(SECRET) - STRIPE - 7))
-        merge = _secret_words(11)
-        h = np.full(n, np.uint64((length * P64_1) % (1 << 64)), np.uint64)
-        for i in range(4):
-            h += _mul_fold64(acc[:, 2 * i] ^ merge[2 * i], acc[:, 2 * i + 1] ^ merge[2 * i + 1])
-        h ^= h >> np.uint64(37)
-        h *= np.uint64(MIX)
-        h ^= h >> np.uint64(32)
-    return h
 
 
 # ---------------------------------------------------------------- the CUDA kernel
@@ -121,12 +45,9 @@ def kernel_keys() -> np.ndarray:
     return np.concatenate([aligned, _secret_words(len(SECRET) - STRIPE - 7), _secret_words(11)]).astype(np.uint64)
 
 
-# One warp per checksum block. XXH3 is sequential from one 1 KiB block to the next (a scramble
-# between them), but the 16 stripes x 8 lanes inside one are independent sums: lane t of the
-# warp owns accumulator t % 8 and loads words t, t + 32, t + 64, t + 96 of each 1 KiB block (one
-# coalesced 256-byte load per step), and the four lanes of an accumulator add their parts with
-# two shuffles. A thread per block would load 8 bytes at a time from 2000 scattered places
-# (~11 GB/s on an H200); a warp per block keeps HBM busy.
+# One warp per checksum block: XXH3 is sequential from one 1 KiB block to the next, but lane t
+# owns accumulator t % 8 and loads words t, t + 32, t + 64, t + 96 of each (one coalesced load),
+# the four lanes of an accumulator adding their parts with two shuffles (a thread per block: ~11 GB/s).
 KERNEL = r"""
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -255,9 +176,8 @@ class KernelUnavailable(RuntimeError):
 
 
 def build_kernel(device: int):
-    """The compiled kernel and its keys on ``device`` (built once per process and device: the
-    first call compiles with NVRTC, ``warmup(device, verify=True)`` pays for that up front). A
-    failed build is remembered and raised as KernelUnavailable on every call."""
+    """The compiled kernel and its keys on ``device``, built once per process and device (NVRTC);
+    a failed build is remembered and raised as KernelUnavailable on every call."""
     import cupy as cp
     k = _kernels.get(device)
     if k is None:

@@ -1,38 +1,13 @@
 """Load once, share over torch.distributed: each rank reads only its part of a checkpoint.
 
-``load_file(..., framework="pt", process_group=pg)`` on every rank of ``pg`` runs in four phases:
-
-1. agree on the selection: every rank opens the checkpoint and selects its names; the selections
-   (and any error) are all-gathered, so ranks asking for different subsets agree on one plan and
-   cannot deadlock; ``ownership.plan_exchange`` splits the tensors some rank wants whole across
-   the ranks by size (deterministic: the same answer whatever order the files were listed in);
-2. start: each rank starts reading the tensors it owns, and its own tensor-parallel slices,
-   through the ordinary pipeline (``engine.loader.load_file(background=True)``) onto its own
-   device, and allocates the tensors it will receive; allocation errors are all-gathered before
-   any broadcast;
-3. the exchange: the owners broadcast their tensors as they land, taking turns, in windows of at
-   most ``exchange_bytes`` (the smallest any rank asked for): small tensors of one owner are
-   packed into one window, big ones go in pieces straight into the receivers' tensors. A rank
-   that does not want a tensor still takes part in its broadcast and drops the bytes. From the
-   first broadcast on, a rank that fails (a read error, a checksum) keeps taking part, sending or
-   dropping junk;
-4. finish and agree: the outcome is all-gathered at the end: an error on one rank raises
-   ``DistributedLoadError`` on every rank instead of leaving the others waiting.
-
-Tensor parallel (``shard=TPSlice(rank, world_size, dim)``): a tensor split by a rank's slice is
-read by that rank alone, only its slice (its rows, or for a later dim the row span the columns
-cover), straight into its result: nobody else needs those bytes, so nothing is exchanged. Only
-the tensors a rank wants whole (``dim`` None: replicated) go through owners and broadcasts. If
-ranks disagree (one wants a slice of a tensor another wants whole), the owner reads it whole and
-takes its own slice out of that.
-
-Memory: an owner holds each tensor it owns from its landing until it is sent (at most about
-1/world_size of what is wanted whole) plus one exchange window; a receiver's wanted tensors land
-in place. Ownership is per tensor, so one tensor larger than total/world_size leaves the split
-uneven.
-
-Time limits: a rank that hangs or dies (rather than raising) is bounded by the process group's
-own timeout (``init_process_group(timeout=...)``), the only clock the collectives honour.
+``load_file(..., framework="pt", process_group=pg)`` on every rank of ``pg`` runs in four phases
+(docs/tensor-parallel.md): 1. agree on the selection (all-gathered; ``ownership.plan_exchange``
+splits what some rank wants whole across the ranks); 2. start each rank's reads of what it owns
+and of its own TP slices (``engine.loader.load_file(background=True)``), and allocate what it
+receives; 3. the owners broadcast in windows of at most ``exchange_bytes`` as their tensors land
+(a rank that fails from then on keeps taking part, sending or dropping junk); 4. agree on the
+outcome: an error on one rank raises ``DistributedLoadError`` on every rank. A rank that hangs
+or dies is bounded only by the process group's own timeout.
 """
 
 from __future__ import annotations
@@ -57,9 +32,7 @@ log = logging.getLogger("foxhunt_stream")
 
 class DistributedLoadError(RuntimeError):
     """A distributed load failed on one or more ranks; raised on every rank of the group.
-
-    ``failures`` maps rank -> "ExceptionType: message". On a rank that failed itself the
-    original exception is chained as ``__cause__``."""
+    ``failures``: rank -> "ExceptionType: message" (a rank's own exception is the ``__cause__``)."""
 
     def __init__(self, failures: dict[int, str], rank: int) -> None:
         self.failures, self.rank = failures, rank
@@ -159,12 +132,9 @@ def _agree_on_selection(group: _Group, source, device, names: Names, shard: TPSl
 # -- 2.-4. start the reads, exchange, finish -----------------------------------------------------
 
 class _Exchange:
-    """This rank's part of the exchange: its reads in flight (what it owns, and its own slices),
-    the whole tensors it holds (owned and landed, or being received), and its result.
-
-    From the first broadcast on every rank takes part in every broadcast whatever happens: a rank
-    that failed (``failed``) sends or drops junk and says so at the end, so no rank is left
-    waiting in a collective."""
+    """This rank's part of the exchange: its reads in flight, the whole tensors it holds, and its
+    result. From the first broadcast on, a rank that failed (``failed``) still takes part in every
+    broadcast, sending or dropping junk, and says so at the end: no rank is left waiting."""
 
     def __init__(self, group: _Group, agreed: _Agreed) -> None:
         self.group, self.agreed, self.plan = group, agreed, agreed.plan
@@ -189,9 +159,8 @@ class _Exchange:
         return TPSlice(shard.rank, shard.world_size, lambda n: None if n in owned else shard.dim_for(n))
 
     def start(self, source, verify: bool, progress: bool | None, options: dict) -> None:
-        """Phase 2: start reading (in the background) what this rank owns, then its own slices;
-        allocate what it receives whole and the exchange's scratch window; the group agrees on
-        any failure (allocation, the likely one) before the first broadcast."""
+        """Phase 2: start reading what this rank owns, then its own slices; allocate what it
+        receives and the scratch window; the group agrees on any failure before any broadcast."""
         import torch
         error: BaseException | None = None
         try:
@@ -240,8 +209,7 @@ class _Exchange:
         return self.full.get(n)
 
     def dest_of(self, n: str):
-        """Receiver side: where a tensor wanted whole here lands, or None (not wanted whole here:
-        the broadcast's bytes are dropped)."""
+        """Receiver side: where a tensor wanted whole here lands, or None (its bytes dropped)."""
         if self.failed is None and n in self.whole and n not in self.full:
             try:
                 self.full[n] = self._empty(n)
@@ -250,8 +218,7 @@ class _Exchange:
         return self.full.get(n)
 
     def finish(self, n: str) -> None:
-        """Tensor ``n`` is complete here: into the result (an owner that wants only a slice of it
-        takes the slice out); the whole one goes."""
+        """Tensor ``n`` is complete here: into the result (or only this rank's slice of it)."""
         import torch
         if self.failed is None and n in self.mine and n in self.full:
             t = self.full[n]
@@ -290,8 +257,7 @@ class _Exchange:
             pos += length
 
     def run(self) -> None:
-        """Phase 3: every window in the agreed order, while the owners' reads go on; then what
-        no window carries: this rank's own slices, what only it wanted, zero-byte tensors."""
+        """Phase 3: every window in the agreed order, then what no window carries (own slices...)."""
         remaining = {n: self.plan.union[n].nbytes for n in self.plan.order}
         for w in self.plan.windows:
             self.broadcast(w)
@@ -346,14 +312,11 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
                           verify: bool = False, progress: bool | None = None, background: bool = False,
                           **options) -> dict[str, Any]:
     """``load_file`` over a torch.distributed group: every rank of ``process_group`` calls it
-    (with its own ``device``, ``names`` and ``shard``); the checkpoint is read from disk once
-    across the group and shared with broadcasts. With ``shard`` each rank reads its own slices
-    itself and only the replicated tensors are shared. Returns this rank's
-    ``{name: torch.Tensor}``.
-
-    ``framework`` must be ``"pt"``/``"torch"`` (None means "pt"): only torch tensors go through
-    torch.distributed. ``exchange_bytes`` bounds the extra device memory of the exchange
-    (default 64 MiB). Any error on any rank raises ``DistributedLoadError`` on all of them.
+    (with its own ``device``, ``names`` and ``shard``); the checkpoint is read once across the
+    group and shared with broadcasts (with ``shard``, only the replicated tensors). Returns this
+    rank's ``{name: torch.Tensor}``. ``framework``: "pt" (None means "pt"). ``exchange_bytes``
+    bounds the exchange's device memory (64 MiB). An error on any rank raises
+    ``DistributedLoadError`` on all of them.
     """
     window = _window_bytes(framework, background, exchange_bytes)
     group = _Group(process_group)

@@ -1,10 +1,8 @@
 """Who reads what in a distributed load, and which broadcasts share it. Pure functions, no I/O.
 
-Every rank runs these on the same gathered inputs and gets the same answer, so the ranks agree on
-the plan without a further round of messages: ``plan_exchange`` merges the ranks' selections
-(``TensorDesc`` per wanted tensor), leaves each rank's tensor-parallel slices to that rank, gives
-each tensor wanted whole one owner (``assign_owners``, balanced by bytes) and cuts what the
-owners send into windows (``exchange_windows``).
+Every rank runs these on the same gathered inputs and gets the same answer, so the ranks agree
+without a further round of messages: ``plan_exchange`` merges the selections, gives each tensor
+wanted whole one owner (``assign_owners``) and cuts what the owners send into windows.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ def describe(ck: "Checkpoint", name: str) -> TensorDesc:
 
 
 class CheckpointMismatch(ValueError):
-    """The ranks described one tensor differently: they did not open the same checkpoint.
-    ``failures`` maps rank -> message, like ``DistributedLoadError``'s."""
+    """The ranks described one tensor differently (not the same checkpoint); ``failures``: rank -> message."""
 
     def __init__(self, failures: dict[int, str]) -> None:
         self.failures = failures
@@ -47,10 +44,8 @@ class CheckpointMismatch(ValueError):
 def assign_owners(tensors: Iterable[tuple[str, int, str]], world_size: int) -> dict[str, int]:
     """``{name: rank}`` for ``(name, nbytes, file_key)`` triples, balanced by bytes.
 
-    Largest first onto the least-loaded rank (lowest rank on a tie); equal sizes are taken in
-    (file basename, name) order, so the answer depends neither on the order the tensors (or the
-    files) were listed in nor on the directory a file sits in. Deterministic: every rank computes
-    the same map from the same set.
+    Largest first onto the least-loaded rank (lowest on a tie), equal sizes in (file basename,
+    name) order: every rank computes the same map, whatever order or directory the files came in.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -73,8 +68,7 @@ def assign_owners(tensors: Iterable[tuple[str, int, str]], world_size: int) -> d
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """One broadcast: ``owner`` sends ``segments`` = [(name, byte start, byte length)], packed
-    back to back (``nbytes`` in all)."""
+    """One broadcast: ``owner`` sends ``segments`` = [(name, byte start, byte length)], back to back."""
     owner: int
     segments: tuple[tuple[str, int, int], ...]
 
@@ -106,11 +100,10 @@ def _owner_windows(owner: int, tensors: Sequence[tuple[str, int]], window_bytes:
 def exchange_windows(tensors: Sequence[tuple[str, int, int]], window_bytes: int) -> list[Window]:
     """The broadcasts that share ``(name, nbytes, owner)`` tensors (in the agreed order given).
 
-    Consecutive tensors of one owner (in the given order) are packed into windows of at most
-    ``window_bytes``; a tensor larger than that is cut into pieces. The owners take turns, one
-    window each in rank order, so every owner's reads are consumed while they go on rather than
-    rank 0's first and the last rank's when it has long finished. Every byte of every tensor is
-    in exactly one window; zero-byte tensors in none.
+    Consecutive tensors of one owner are packed into windows of at most ``window_bytes`` (a
+    larger one cut into pieces); the owners take turns, one window each in rank order, so every
+    owner's reads are consumed as they go. Every byte is in exactly one window (zero-byte
+    tensors in none).
     """
     if window_bytes < 1:
         raise ValueError(f"exchange window must be at least 1 byte, got {window_bytes}")
@@ -124,8 +117,7 @@ def exchange_windows(tensors: Sequence[tuple[str, int, int]], window_bytes: int)
 
 def merge_selections(selections: Sequence[Mapping[str, TensorDesc]]
                      ) -> tuple[dict[str, TensorDesc], dict[str, set[int]]]:
-    """The union of the ranks' selections (rank r's is ``selections[r]``) and which ranks want
-    each tensor. Raises ``CheckpointMismatch`` when two ranks describe a tensor differently."""
+    """The union of the ranks' selections and which ranks want each tensor (or CheckpointMismatch)."""
     union: dict[str, TensorDesc] = {}
     wanted_by: dict[str, set[int]] = {}
     conflicts = {}
@@ -158,12 +150,10 @@ def plan_exchange(selections: Sequence[Mapping[str, TensorDesc]], window_bytes: 
                   sliced: Sequence[Collection[str]] | None = None) -> ExchangePlan:
     """Rank ``rank``'s view of the plan for the gathered selections (one per rank).
 
-    ``sliced[r]`` are the tensors rank r wants only its tensor-parallel slice of: it reads that
-    slice itself (nobody else needs those bytes), unless it owns the tensor because another rank
-    wants it whole. Every tensor some rank wants whole gets one owner, which reads it whole;
-    only tensors wanted whole by a rank other than their owner are broadcast. ``window_bytes``
-    must be the same on every rank (the smallest any rank asked for) so that all cut the same
-    windows.
+    ``sliced[r]``: the tensors rank r wants only its TP slice of, which it reads itself unless it
+    owns the tensor. Every tensor some rank wants whole gets one owner, which reads it whole;
+    only those wanted whole by another rank are broadcast. ``window_bytes`` must be the same on
+    every rank.
     """
     union, _ = merge_selections(selections)
     sliced = [frozenset(s) for s in sliced] if sliced is not None else [frozenset()] * len(selections)

@@ -1,8 +1,7 @@
 """Frameworks: numpy, cupy and torch views of landed bytes, passed down the pipeline as a value.
 
-A framework allocates the destination of each tensor (``empty``) and tells the pipeline where
-its bytes live (``buffer``: a host uint8 view, or a device pointer). The stages never branch on
-the framework name; they only see a ``Buffer``.
+A framework allocates each tensor's destination (``empty``) and tells the pipeline where its
+bytes live (``buffer``); the stages never branch on the framework, they only see a ``Buffer``.
 """
 
 from __future__ import annotations
@@ -17,8 +16,7 @@ from ..errors import DeviceError, DeviceOutOfMemoryError, OptionError
 
 
 class Buffer(NamedTuple):
-    """Where a destination's bytes go: host memory (``host``) or a device address (``ptr``). A
-    tuple: a load makes one per tensor."""
+    """Where a destination's bytes go: host memory (``host``) or a device address (``ptr``)."""
     device: Device
     nbytes: int
     host: np.ndarray | None = None   # uint8, contiguous (cpu)
@@ -36,6 +34,14 @@ class Framework(Protocol):
     def owns(self, x) -> bool: ...
     def describe(self, arr) -> tuple[DType | None, tuple[int, ...], Device]: ...
     def array_dtype(self, dtype: DType) -> Any: ...
+
+
+def _format_dtype(convert, dtype) -> DType | None:
+    """The format's dtype of an array's element type, None where the format has none."""
+    try:
+        return convert(dtype)
+    except TypeError:
+        return None
 
 
 def _host_bytes(arr: np.ndarray) -> np.ndarray:
@@ -73,11 +79,7 @@ class NumpyFramework:
         return Buffer(Device("cpu"), arr.nbytes, host=_host_bytes(arr))
 
     def describe(self, arr) -> tuple[DType | None, tuple[int, ...], Device]:
-        try:
-            dt = from_numpy(arr.dtype)
-        except TypeError:
-            dt = None
-        return dt, tuple(arr.shape), Device("cpu")
+        return _format_dtype(from_numpy, arr.dtype), tuple(arr.shape), Device("cpu")
 
 
 class CupyFramework:
@@ -138,11 +140,7 @@ class CupyFramework:
         return Buffer(Device("cuda", arr.device.id), arr.nbytes, ptr=arr.data.ptr)
 
     def describe(self, arr):
-        try:
-            dt = from_numpy(arr.dtype)
-        except TypeError:
-            dt = None
-        return dt, tuple(arr.shape), Device("cuda", arr.device.id)
+        return _format_dtype(from_numpy, arr.dtype), tuple(arr.shape), Device("cuda", arr.device.id)
 
 
 TORCH_MISSING = ("framework='pt' makes torch tensors and needs torch: pip install torch (on Linux x86_64 a CUDA "
@@ -167,20 +165,17 @@ class TorchFramework:
         self._devices: dict[Device, Any] = {}   # Device -> torch.device, made once
         self._dtypes: dict[str, Any] = {}       # DType.name -> torch dtype, looked up once
 
-    def _torch(self):
-        return import_torch()
-
     def array_dtype(self, dtype: DType):
         """The torch dtype of ``dtype`` (sub-byte types and types torch lacks: uint8)."""
         return self.torch_dtype(dtype)
 
     def torch_dtype(self, dtype: DType):
-        torch = self._torch()
+        torch = import_torch()
         t = getattr(torch, dtype.torch_name, None) if dtype.torch_name else None
         return t if t is not None else torch.uint8
 
     def empty(self, dtype: DType, shape, device: Device, tensor: str = ""):
-        torch = self._torch()
+        torch = import_torch()
         where = self._devices.get(device)
         if where is None:
             where = self._devices[device] = torch.device(str(device))
@@ -194,9 +189,8 @@ class TorchFramework:
             raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shp)) * max(1, dtype.itemsize)) from None
 
     def new(self, dtype: DType, shape, device: Device, tensor: str = ""):
-        """A new tensor and its Buffer (a load's destination). A load makes hundreds, the caller
-        holding the GIL for each: the device and dtype are resolved once per framework and a GPU
-        tensor's Buffer read straight off it (contiguous by construction)."""
+        """A new tensor and its Buffer (a load's destination; device and dtype resolved once per
+        framework: a load makes hundreds, holding the GIL)."""
         t = self.empty(dtype, shape, device, tensor)
         if not device.is_cuda:
             return t, self.buffer(t)
@@ -204,13 +198,13 @@ class TorchFramework:
 
     def settle(self, device: Device) -> None:
         """Wait for work queued on torch's current stream of ``device`` (its freed blocks get reused)."""
-        self._torch().cuda.current_stream(device.index).synchronize()
+        import_torch().cuda.current_stream(device.index).synchronize()
 
     def owns(self, x) -> bool:
         return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
     def buffer(self, t) -> Buffer:
-        torch = self._torch()
+        torch = import_torch()
         if not t.is_contiguous():
             raise ValueError("destination tensor must be contiguous")
         nbytes = t.numel() * t.element_size()
@@ -223,12 +217,8 @@ class TorchFramework:
         return Buffer(Device("cuda", t.device.index or 0), nbytes, ptr=t.data_ptr())
 
     def describe(self, t):
-        try:
-            dt = from_torch(t.dtype)
-        except TypeError:
-            dt = None
         dev = Device("cpu") if t.device.type == "cpu" else Device("cuda", t.device.index or 0)
-        return dt, tuple(t.shape), dev
+        return _format_dtype(from_torch, t.dtype), tuple(t.shape), dev
 
 
 _FRAMEWORKS = {"numpy": NumpyFramework, "np": NumpyFramework, "cupy": CupyFramework, "cp": CupyFramework,
@@ -237,9 +227,8 @@ _FRAMEWORKS = {"numpy": NumpyFramework, "np": NumpyFramework, "cupy": CupyFramew
 
 def get_framework(framework: str | None, device: Device):
     """The framework that makes a load's arrays on ``device`` (None: numpy on the host, cupy on a
-    GPU), its library imported: a missing one is an error saying how to install it, before any
-    file is opened. For torch this also loads the CUDA runtime torch ships, which a GPU load can
-    then use without cupy (``cuda.runtime``)."""
+    GPU), its library imported (a missing one: an error saying how to install it; torch also
+    brings the CUDA runtime a GPU load can use without cupy)."""
     if framework is None:
         framework = "numpy" if not device.is_cuda else "cupy"
     cls = _FRAMEWORKS.get(framework) if isinstance(framework, str) else None

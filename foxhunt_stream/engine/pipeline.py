@@ -1,11 +1,8 @@
 """The pipeline: a few worker threads drain one list of work items, in order, with cancellation.
 
-Loads and saves both run here: each worker calls ``work(worker, item)`` for the next item not yet
-taken, then ``on_done``. The first error cancels the rest (workers stop taking items); ``wait``
-joins every worker and re-raises that error. ``Job`` is the one handle type for background work:
-it keeps its sources, buffers and results alive until it is done, and ``on_end`` runs once, on the
-last worker to stop, however the job ended. The workers are threads parked between jobs
-(``workers``), named ``{name}-{worker}`` while they run.
+Each worker calls ``work(worker, item)`` for the next item not yet taken, then ``on_done``; the
+first error cancels the rest and ``wait`` re-raises it; ``on_end`` runs once, on the last worker to
+stop. The workers are threads parked between jobs (``workers``), named ``{name}-{worker}``.
 """
 
 from __future__ import annotations
@@ -50,8 +47,7 @@ class Job:
             self._end()
 
     def start(self, hold: int = 0) -> "Job":
-        """Start the workers; the last ``hold`` of them only at ``release()`` (which the caller
-        must make sure happens: until then the job cannot finish)."""
+        """Start the workers; the last ``hold`` of them only at ``release()``, which must come."""
         with self._lock:
             hold = 0 if self._released else max(0, min(hold, self._n - 1))
             self._held = list(range(self._n - hold, self._n))
@@ -97,9 +93,7 @@ class Job:
                 self._end()
 
     def _end(self) -> None:
-        """The job is over: ``on_end``, then the references to the work and its buffers dropped (a
-        finished job must not keep device memory alive through a reference cycle until the next
-        GC pass), then anyone waiting woken."""
+        """The job is over: ``on_end``, the references to the work and its buffers dropped, waiters woken."""
         try:
             if self._on_end is not None:
                 self._on_end(self._error)
@@ -117,8 +111,7 @@ class Job:
         self._cancel.set()
 
     def cancel(self) -> None:
-        """Stop taking items; the job then ends with ``CancelledError`` (a job already over keeps
-        its outcome)."""
+        """Stop taking items; the job then ends with ``CancelledError`` (unless already over)."""
         if not self._done.is_set():
             self.fail(CancelledError("cancelled"))
 
@@ -133,13 +126,11 @@ class Job:
 
     @property
     def stopping(self) -> threading.Event:
-        """Set once the job is cancelled or failed, for side work that runs beside the workers
-        (the allocating thread) and must stop with them."""
+        """Set once the job is cancelled or failed: side work beside the workers stops with them."""
         return self._cancel
 
     def finished(self, timeout: float | None = None) -> bool:
-        """Block up to ``timeout`` seconds for every worker to stop; True if they have. Unlike
-        ``wait`` it raises nothing and leaves a running job running."""
+        """Block up to ``timeout`` seconds for every worker to stop; True if they have (raises nothing)."""
         return self._done.wait(timeout)
 
     @property
@@ -150,11 +141,9 @@ class Job:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every worker has stopped; re-raise the first error.
-
-        If the waiter itself is interrupted (KeyboardInterrupt, an exception from a signal
-        handler), the workers are cancelled and joined before that propagates: callers close
-        files and free buffers on the way out, and no worker may still be using them."""
+        """Block until every worker has stopped; re-raise the first error. A waiter interrupted
+        (KeyboardInterrupt...) cancels and joins the workers first: none may still use the
+        files and buffers its caller frees on the way out."""
         try:
             finished = self._done.wait(timeout)
         except BaseException:

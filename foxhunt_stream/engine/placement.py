@@ -1,11 +1,7 @@
-"""Placement: where a load's tensors land and as which arrays, decided once at the front door.
-
-``placement(device, framework, device_map)`` parses and checks the arguments before any file is
-opened and returns a ``Placement``, the value handed down the load: ``for_names`` gives the
-device of each selected tensor and the framework that makes their arrays. ``resolve_device_map``
-turns ``{name or prefix: device}`` into one ``Device`` per tensor (every problem is found before
-a byte is read); the plan then interleaves the devices' chunks (``format.plan``, order
-"by_device").
+"""Placement: where a load's tensors land and as which arrays, decided once at the front door:
+``placement(device, framework, device_map)`` checks the arguments before any file is opened and
+returns the ``Placement`` handed down the load (``for_names``: each tensor's device, and the
+framework that makes their arrays).
 """
 
 from __future__ import annotations
@@ -71,8 +67,7 @@ class Placement:
     framework: str | None = None
 
     def for_names(self, names: Sequence[str]) -> tuple[Device | list[Device], Framework]:
-        """The device of the selected tensors (one for all, or one per name with a device map,
-        each checked to exist) and the framework that makes their arrays."""
+        """The device of the selected tensors (one, or one per name, checked) and their framework."""
         if self.device_map is None:
             return self.device, get_framework(self.framework, self.device)
         devices = resolve_device_map(names, self.device_map)

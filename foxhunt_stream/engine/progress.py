@@ -1,9 +1,6 @@
-"""Progress bars for long loads and saves (tqdm, the optional ``progress`` extra).
-
-``progress=None`` (the default of load_file / load_into / save_file): a bar appears on a
-terminal once the operation has run for about a second, never in a pipe or a log file.
-``progress=True`` always draws one (on stderr), ``progress=False`` never does. Workers call
-``update(nbytes)`` from several threads as chunks complete; the bar counts bytes.
+"""Progress bars for long loads and saves (tqdm, the optional ``progress`` extra): with
+``progress=None`` a bar appears on a terminal once the operation has run for about a second,
+``True`` always draws one on stderr, ``False`` never; workers count bytes from several threads.
 """
 
 from __future__ import annotations
@@ -48,6 +45,8 @@ NO_PROGRESS = Progress()
 
 
 def _wanted(progress: bool | None, stream) -> bool:
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be True, False or None, got {progress!r}")
     if progress is None:
         isatty = getattr(stream, "isatty", None)
         try:
@@ -59,17 +58,13 @@ def _wanted(progress: bool | None, stream) -> bool:
 
 def shown(progress: bool | None) -> bool:
     """Whether ``progress`` asks for a bar on stderr (None: when stderr is a terminal)."""
-    if progress is not None and not isinstance(progress, bool):
-        raise TypeError(f"progress must be True, False or None, got {progress!r}")
     return _wanted(progress, sys.stderr)
 
 
 def progress_bar(total_bytes: int, desc: str, progress: bool | None = None, stream=None) -> Progress:
     """A bar over ``total_bytes`` (or the no-op NO_PROGRESS when none is wanted or possible)."""
-    if progress is not None and not isinstance(progress, bool):
-        raise TypeError(f"progress must be True, False or None, got {progress!r}")
     stream = sys.stderr if stream is None else stream
-    if total_bytes <= 0 or not _wanted(progress, stream):
+    if not _wanted(progress, stream) or total_bytes <= 0:
         return NO_PROGRESS
     try:
         from tqdm import tqdm

@@ -1,9 +1,7 @@
 """Resharding: rewrite a checkpoint into new shards, one output shard in memory at a time.
 
-``reshard`` reads the source's raw bytes shard by shard and hands them to ``save_sharded`` (the
-saver's streaming shard writer): host memory peaks at one output shard (or one tensor larger than
-the limit), whatever the checkpoint's size, and the output directory ends up holding the whole
-new checkpoint or nothing new at all.
+``reshard`` hands the source's raw bytes, shard by shard, to the saver's ``save_sharded``: host
+memory peaks at one output shard, and the output holds the whole new checkpoint or nothing new.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ __all__ = ["reshard", "save_sharded"]   # save_sharded is the saver's; importabl
 
 
 def _output_directory(out_dir: str, source_paths: list[str]) -> bool:
-    """Check ``out_dir`` (not the source's, no checkpoint in it) and create it when missing;
-    returns whether it was created."""
+    """Check ``out_dir`` (not the source's, holding no checkpoint); create it if missing, and say so."""
     real_out = os.path.realpath(out_dir)
     if any(os.path.realpath(p) == real_out for p in source_paths):
         raise ValueError(f"{out_dir}: source and destination are the same file; reshard writes a directory of "
@@ -42,12 +39,10 @@ def _output_directory(out_dir: str, source_paths: list[str]) -> bool:
 def reshard(source, out_dir, max_shard_size: int | str, *, fsync: bool = True, checksum: str | None = None,
             progress: bool | None = None, **options) -> list[str]:
     """Rewrite ``source`` (any checkpoint form) into ``out_dir`` as shards of at most
-    ``max_shard_size``; tensors are byte-identical, their order is the source's file order, and
-    the shards' metadata is the source shards' (merged; without their save id). ``out_dir`` (a
-    name ending in ``.safetensors`` is refused: ValueError) is created if missing (and
-    removed again if the rewrite fails) and must not already hold a checkpoint. ``checksum``
-    ("xxh3-64", "crc32c") stores fresh digests (the source's, if any, are dropped: the saver
-    writes new ones or none); ``options`` are settings. Returns the paths written, the index last."""
+    ``max_shard_size``: tensors byte-identical, in the source's file order, the metadata the
+    source shards' (merged, without their save id). ``out_dir`` (not ``*.safetensors``) is
+    created if missing (removed if the rewrite fails) and must hold no checkpoint. ``checksum``
+    stores fresh digests; ``options`` are settings. Returns the paths written, the index last."""
     out_dir = os.fspath(out_dir)
     check_shard_directory(out_dir, "reshard")
     ck = open_checkpoint(source)

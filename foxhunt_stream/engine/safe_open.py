@@ -1,13 +1,9 @@
 """``safe_open``: lazy, random access to a checkpoint, a drop-in for ``safetensors.safe_open``.
 
 The handle reads every header once and keeps the files open; ``get_tensor``, ``get_slice(...)[i]``
-and ``tensors()`` each run a load of just what they ask for (``loader``), so unasked bytes are
-never read. Besides paths it opens file objects and buffers (``io.fileobj``); a slice taken from
-it keeps working after the handle is closed, as in safetensors. A close while a load of the handle
-runs (from another thread, or a ``tensors()`` iterator still being consumed) leaves the files open
-until that load is over: the load returns the right bytes, a load started after the close raises
-the closed-handle error, and no load ever reads a descriptor that was closed (and perhaps reused
-for another file).
+and ``tensors()`` each run a load of just what they ask for, so unasked bytes are never read. A
+slice keeps working after the handle is closed, as in safetensors, and a close while a load runs
+keeps the files open until it is over (``SharedSources``): no load reads a closed descriptor.
 """
 
 from __future__ import annotations
@@ -55,8 +51,7 @@ class SliceView:
 
 
 class SharedSources:
-    """A handle's open sources, shared with the slices taken from it and with the loads running:
-    closed once the handle is closed and no slice or load uses them any more."""
+    """A handle's open sources, shared with its slices and running loads, closed after the last."""
 
     def __init__(self, sources: list) -> None:
         self.sources = sources
@@ -89,9 +84,8 @@ class safe_open:
 
     ``with safe_open(path, framework="pt", device="cuda:0") as f: f.get_tensor(name)``.
     ``filename`` may also be a list of files, an index.json, a directory, an open file object or
-    a checkpoint's bytes as a ``memoryview``/``bytearray`` (``io.fileobj``). Arrays returned stay
-    valid after the handle is closed, and so do slices taken from it. With ``verify=True`` whole
-    tensors are checked against their saved digests (a slice cannot be, and is refused).
+    a ``memoryview``/``bytearray``. Arrays and slices stay valid after the handle is closed.
+    ``verify=True`` checks whole tensors against their saved digests (a slice is refused).
     """
 
     @reopen_if_replaced
@@ -173,8 +167,7 @@ class safe_open:
 
     def _start(self, names: list[str], indices=None, progress: bool | None = False, per_dest: bool = False,
                shared: SharedSources | None = None) -> LoadInFlight:
-        """A load of ``names`` (``indices``: slices) from the open files; it holds them open until
-        it is over."""
+        """A load of ``names`` (``indices``: slices), holding the open files until it is over."""
         shared = shared or self._check()
         sources = shared.begin()
         try:
@@ -195,8 +188,7 @@ class safe_open:
 
     def tensors(self, names: Names = None, *, shard: TPSlice | None = None,
                 progress: bool | None = None) -> Iterator[tuple[str, Any]]:
-        """Yield ``(name, array)`` as each tensor lands (file order, or the order of a list);
-        with ``shard``, each array is this rank's slice; ``progress`` as in load_file."""
+        """Yield ``(name, array)`` as each tensor lands (file order, or a list's); ``shard``: slices."""
         chosen = select(self._ck, names)
         load = self._start(chosen, indices_for(self._ck, chosen, shard), progress, per_dest=True)
         finished = False
@@ -212,8 +204,7 @@ class safe_open:
 
 
 class safe_open_handle(safe_open):
-    """``safetensors._safe_open_handle``: ``safe_open`` of an open file object, which the
-    reference names ``f`` (a local file, an fsspec file...)."""
+    """``safetensors._safe_open_handle``: ``safe_open`` of an open file object ``f``."""
 
     def __init__(self, f, framework: str | None = None, device="cpu", **options) -> None:
         super().__init__(f, framework, device, **options)

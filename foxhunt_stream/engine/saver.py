@@ -1,16 +1,9 @@
 """The saver: the loader's pipeline backwards. arrays -> (device -> pinned slot) -> file.
 
-The header is computed from shapes and dtypes and written first; then worker threads copy each
-chunk back (device chunks through the shared pinned ring on the worker's stream) and write it at
-its offset, so device-to-host of one chunk overlaps the write of another and host memory stays
-at a few chunks. The file appears atomically (see ``sink``).
-
-A sharded save (``save_file(max_shard_size=)``, and ``save_sharded``, which produces each
-shard's tensors only when that shard is written) goes through one shard writer: the grouping,
-names and index of ``format.shards``, every file written to a temp file, then all renamed into
-place, the index last, and the files of an earlier save that a load of the directory would take
-and this save did not overwrite removed, all under the directory's lock (``sink.commit_all``).
-A save of several shards writes one save id into every shard and the index.
+The header is written first; then worker threads copy each chunk back (device chunks through the
+pinned ring) and write it at its offset, so host memory stays at a few chunks; the file appears
+atomically (``sink``). A sharded save (``save_file(max_shard_size=)``, ``save_sharded``) goes
+through one shard writer, ``_write_shards``.
 """
 
 from __future__ import annotations
@@ -95,11 +88,8 @@ def _describe(name: str, x) -> _Source:
         if x.flags.c_contiguous and little:
             return _Source(name, dt, shape, nbytes, Device("cpu"), host=x.reshape(-1).view(np.uint8), keep=x)
         le = x.dtype.newbyteorder("<")
-        if not shape:
-            return _rows_source(name, dt, shape, nbytes,
-                                lambda r0, r1: np.ascontiguousarray(x, dtype=le).reshape(-1).view(np.uint8), x)
-        return _rows_source(name, dt, shape, nbytes,
-                            lambda r0, r1: np.ascontiguousarray(x[r0:r1], dtype=le).reshape(-1).view(np.uint8), x)
+        return _rows_source(name, dt, shape, nbytes, lambda r0, r1: np.ascontiguousarray(
+            x[r0:r1] if shape else x, dtype=le).reshape(-1).view(np.uint8), x)
     if mod.startswith("torch"):
         import torch
         t = x.detach()
@@ -123,9 +113,8 @@ def _describe(name: str, x) -> _Source:
             return u.reshape(-1).view(torch.uint8).numpy() if u.numel() else np.empty(0, np.uint8)
         if t.is_contiguous():
             return _Source(name, dt, shape, nbytes, Device("cpu"), host=to_bytes(t), keep=t)
-        if t.dim() == 0:
-            return _rows_source(name, dt, shape, nbytes, lambda r0, r1: to_bytes(t.contiguous()), t)
-        return _rows_source(name, dt, shape, nbytes, lambda r0, r1: to_bytes(t[r0:r1].contiguous()), t)
+        return _rows_source(name, dt, shape, nbytes,
+                            lambda r0, r1: to_bytes((t[r0:r1] if t.dim() else t).contiguous()), t)
     if mod.startswith("cupy"):
         import cupy as cp
         dt = from_numpy(x.dtype)
@@ -181,26 +170,22 @@ def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None,
         def work(worker: int, item) -> None:
             i, run = item
             src = ordered[i]
+            slot = None
             if src.host is not None:
                 data = src.host[run.src:run.src + run.width]
-                if digests is not None:
-                    digests.add(i, run.src, data)
-                sink.write_at(data, run.dst)
             elif src.rows is not None:
                 r0 = run.src // src.row_bytes
                 r1 = -(-(run.src + run.width) // src.row_bytes)
                 skip = run.src - r0 * src.row_bytes   # nonzero only when chunks follow checksum blocks
                 data = (src.rows(r0, r1) if src.shape else src.rows(0, 1))[skip:skip + run.width]
+            else:   # device bytes, through a pinned slot
+                pool, slot, data = targets[src.device.index].fetch(worker, src.ptr + run.src, run.width)
+            try:
                 if digests is not None:
                     digests.add(i, run.src, data)
                 sink.write_at(data, run.dst)
-            else:
-                pool, slot, view = targets[src.device.index].fetch(worker, src.ptr + run.src, run.width)
-                try:
-                    if digests is not None:
-                        digests.add(i, run.src, view)
-                    sink.write_at(view, run.dst)
-                finally:
+            finally:
+                if slot is not None:
                     pool.release(slot)
             progress.update(run.width)
 
@@ -210,9 +195,8 @@ def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None,
                   s.chunk_bytes, s.staging_bytes, sorted({str(src.device) for src in ordered}) or ["-"],
                   s.write_backend, fsync)
         if sink.backend in ("pwrite", "memory") and digests is None and all(src.host is not None for src in ordered):
-            # Bytes already in host memory, written by pwrite: the kernel serializes writes to one
-            # file on its inode lock, so workers add nothing but cost (measured on a 2-vCPU Xeon
-            # KVM guest, 256 MiB, fsync=False: 0.86-0.91x of safetensors through the pool, 0.95x inline)
+            # host bytes written by pwrite, which the kernel serializes per file: workers only cost
+            # (256 MiB, 2 vCPU: 0.86-0.91x of safetensors through the pool, 0.95x inline)
             for item in items:
                 work(0, item)
         else:
@@ -232,8 +216,7 @@ def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None,
 
 
 def _save_options(metadata, checksum: str | None, checksum_block: int | None, options: dict):
-    """save_file's and save_sharded's options checked before any work: (settings, metadata
-    without stale digests, the checksum spec or None)."""
+    """save_file's and save_sharded's options checked: (settings, metadata, checksum spec or None)."""
     s = _settings.merge(**options)
     if metadata is not None and not isinstance(metadata, Mapping):
         raise TypeError("metadata must be a mapping of str to str")
@@ -256,13 +239,10 @@ def _shard_limit(max_shard_size: int | str) -> int:
 def _write_shards(sizes: Sequence[tuple[str, int]], produce: Callable[[list[str]], list[_Source]], directory: str,
                   limit: int, metadata, s: _settings.Settings, fsync: bool, spec, bar: Progress) -> list[str]:
     """The shard writer: ``sizes`` grouped into shards of at most ``limit`` bytes, each group's
-    sources made by ``produce(names)`` only when its shard is written (so a streaming caller holds
-    one shard in memory), every shard and the index written to temp files, then, under the
-    directory's lock, all renamed into place, the index last, and the files of an earlier save
-    this one replaces removed (``_earlier_files``; ``sink.commit_all``). Several shards carry one
-    new save id (``SAVE_KEY``, in each shard's metadata and the index's); one that ``metadata``
-    brings is dropped. On any failure no new file is left and the old ones are as they were.
-    Returns the paths, the index (when there are several shards) last."""
+    sources made by ``produce(names)`` only when its shard is written; every shard and the index
+    written to temp files, then committed together (``sink.commit_all``), the files of an earlier
+    save this one replaces removed (``_earlier_files``). Several shards carry one new save id
+    (``SAVE_KEY``). On any failure the old files are as they were. Returns the paths, index last."""
     groups = split_shards(sizes, limit)
     files = shard_names(len(groups))
     metadata = {k: v for k, v in metadata.items() if k != SAVE_KEY} if metadata else metadata
@@ -293,11 +273,9 @@ def _write_shards(sizes: Sequence[tuple[str, int]], produce: Callable[[list[str]
 
 
 def _earlier_files(directory: str) -> list[str]:
-    """The files in ``directory`` that a load of it could take as (part of) its checkpoint: the
-    index, the ``*.safetensors`` files it names, and every name a sharded save gives
-    (``model.safetensors``, ``model-NNNNN-of-NNNNN.safetensors``), each a regular file or a
-    symlink. No other file: other ``*.safetensors`` files, configs and the like stay. A sharded
-    save removes those it does not overwrite (the commit leaves its own out)."""
+    """The files in ``directory`` that a load of it could take as (part of) its checkpoint, each a
+    regular file or a symlink: the index, the files it names, and every name a sharded save gives;
+    no other file (configs and other ``*.safetensors`` files stay)."""
     names = {n for n in os.listdir(directory) if is_shard_name(n)}
     raw = _read_regular(os.path.join(directory, INDEX_NAME), MAX_HEADER_SIZE)
     if raw is not None:
@@ -315,8 +293,7 @@ def _earlier_files(directory: str) -> list[str]:
 
 
 def _read_regular(path: str, limit: int) -> bytes | None:
-    """Up to ``limit`` bytes of ``path`` if it is a regular file (a FIFO is never waited on), else
-    None."""
+    """Up to ``limit`` bytes of ``path`` if it is a regular file (never a FIFO), else None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
@@ -338,8 +315,7 @@ def _read_regular(path: str, limit: int) -> bytes | None:
 
 
 def check_names(tensors: Any) -> None:
-    """``tensors`` is a mapping and every name a str, before any work: a ValueError and a TypeError
-    naming the key, as safetensors raises."""
+    """``tensors`` is a mapping and every name a str (ValueError, TypeError, as safetensors raises)."""
     if not isinstance(tensors, Mapping):
         raise ValueError(f"Expected a dict of [str, array] but received {type(tensors)}")
     for name in tensors:
@@ -366,15 +342,12 @@ def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | No
 
     Byte-identical to the reference serializer; written incrementally (host memory: a few
     chunks); atomic. With ``max_shard_size``, ``path`` is a directory that receives
-    ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``: every shard
-    is written before any is renamed into place, and the index last.
-    ``checksum`` ("xxh3-64" or "crc32c") stores per-tensor digests in ``__metadata__`` under
-    "foxhunt.checksums" (hashed as the chunks are written; ``checksum_block``: block size, default
-    8 MiB), for ``load_file(verify=True)`` and ``foxhunt_stream.verify``. A "foxhunt.checksums"
-    entry in ``metadata`` itself is dropped: it described some other file's bytes.
-    ``progress``: a bar on stderr (None: only on a terminal and past about a second).
-    A ``path`` that is a directory without ``max_shard_size`` (IsADirectoryError), or one whose
-    name ends in ``.safetensors`` with it (ValueError), is refused before anything is written.
+    ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``, the index
+    renamed into place last. ``checksum`` ("xxh3-64" or "crc32c") stores per-tensor digests under
+    "foxhunt.checksums" (``checksum_block``: block size, default 8 MiB), for
+    ``load_file(verify=True)`` and ``foxhunt_stream.verify``; such an entry in ``metadata`` is
+    dropped. ``progress``: a bar on stderr (None: on a terminal, past about a second). A
+    directory ``path`` without ``max_shard_size``, or a ``.safetensors`` one with it, is refused.
     """
     check_names(tensors)
     s, metadata, spec = _save_options(metadata, checksum, checksum_block, options)
@@ -407,10 +380,8 @@ def save_file(tensors: Mapping[str, Any], path, metadata: Mapping[str, str] | No
 
 
 def check_shard_directory(path, writer: str) -> None:
-    """A ValueError naming ``path`` when its name ends in ``.safetensors``: that is a file's name,
-    and ``writer`` (the call, for the message) writes a directory of shards, which a load of the
-    directory above would then meet where it expects a file. A file already there is left to
-    the writer's own check, which says so."""
+    """A ValueError naming ``path`` when its name ends in ``.safetensors`` (a file's name, where
+    ``writer`` writes a directory of shards); a file already there is left to the writer's check."""
     name = os.path.basename(os.path.normpath(os.fspath(path)))
     if name.endswith(".safetensors") and (os.path.isdir(path) or not os.path.lexists(path)):
         raise ValueError(f"{os.fspath(path)}: a name ending in .safetensors is a file's, but {writer} writes a "
@@ -419,8 +390,7 @@ def check_shard_directory(path, writer: str) -> None:
 
 
 def _shard_directory(directory: str) -> bool:
-    """The directory that receives the shards, created with its parents if missing (as
-    ``save_pretrained`` does); returns whether it was created."""
+    """The directory for the shards, created with its parents if missing; whether it was created."""
     if os.path.isdir(directory):
         return False
     if os.path.exists(directory):
@@ -435,11 +405,9 @@ def save_sharded(sizes: Sequence[tuple[str, int]], fetch: Callable[[list[str]], 
                  checksum: str | None = None, checksum_block: int | None = None, progress: bool | None = None,
                  **options) -> list[str]:
     """The streaming form of ``save_file(..., max_shard_size=)``: the tensors named in ``sizes``
-    (name, nbytes; in that order) as shards of at most ``max_shard_size`` bytes in the existing
-    ``directory``, where ``fetch(names)`` returns one shard's ``{name: array}`` only when that
-    shard is written, so host memory peaks at one shard (or one tensor larger than the limit),
-    whatever the checkpoint's size. Same grouping, names, atomicity and options as save_file.
-    Returns the paths written, the index (when there are several shards) last."""
+    ((name, nbytes), in order) as shards in the existing ``directory``, ``fetch(names)`` giving one
+    shard's ``{name: array}`` only when it is written (host memory: one shard). Same grouping,
+    names, atomicity and options as save_file; returns the paths written, the index last."""
     s, metadata, spec = _save_options(metadata, checksum, checksum_block, options)
     limit = _shard_limit(max_shard_size)
     directory = os.fspath(directory)

@@ -1,10 +1,8 @@
 """safetensors' low-level API: ``TensorSpec`` (a tensor as dtype, shape and a raw pointer),
 ``serialize`` / ``serialize_file`` of such specs, and ``deserialize`` of bytes.
 
-Same names, arguments and results as ``safetensors`` 0.8.0. The bytes are written by the saver
-(``save_bytes`` / ``save_file``: byte-identical output, the file written atomically, the GIL
-released while it is written), which reads a spec straight from its memory: a host address,
-valid while the call runs, as in the reference.
+Same names, arguments and results as ``safetensors`` 0.8.0; the saver writes the bytes, reading
+each spec straight from its host address (valid while the call runs, as in the reference).
 """
 
 from __future__ import annotations
@@ -122,8 +120,7 @@ def serialize_file(tensor_dict: Mapping[str, TensorSpec], filename: str | os.Pat
 
 
 def deserialize(data: bytes) -> list[tuple[str, dict[str, Any]]]:
-    """``[(name, {"shape": [...], "dtype": "F32", "data": bytearray}), ...]`` in file order; the
-    header is validated as a file's."""
+    """``[(name, {"shape": [...], "dtype": "F32", "data": bytearray}), ...]`` in file order."""
     header = buffer_header(data)
     view = memoryview(data).cast("B")
     start = header.data_start

@@ -1,12 +1,9 @@
 """Worker threads kept between jobs: a load or save wakes parked threads instead of starting new ones.
 
-``threading.Thread.start`` waits until the new thread has bootstrapped, which needs the GIL: the
-sixteen starts of a load queue behind each other and behind the workers already reading, so the
-last worker of a short load (a tensor-parallel shard) began several milliseconds after the first.
-Waking a parked thread costs the caller one lock release. A thread that found no work for
-``KEEP_IDLE_S`` seconds exits, so an idle process keeps none; there is no upper bound (a task may
-wait on another task: each gets a thread at once, as with ``Thread.start``). A forked child starts
-with no parked threads (they do not exist there).
+``threading.Thread.start`` waits for the new thread's bootstrap under the GIL (the last worker of
+a short load began milliseconds after the first); waking a parked thread costs one lock release.
+A thread idle for ``KEEP_IDLE_S`` seconds exits; there is no upper bound (a task may wait on
+another); a forked child starts with none.
 """
 
 from __future__ import annotations
@@ -59,8 +56,8 @@ _parked: list[_Parked] = []
 
 
 def run(fn: Callable[[], None], name: str) -> Task:
-    """Run ``fn()`` on a parked worker thread (the one parked last), or a new one, named ``name``
-    while it runs. ``fn`` handles its own errors: one escaping it is logged."""
+    """Run ``fn()`` on the worker parked last, or a new one, named ``name`` while it runs (an error
+    escaping ``fn`` is logged)."""
     task = Task(fn)
     with _lock:
         slot = _parked.pop() if _parked else None

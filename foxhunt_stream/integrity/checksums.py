@@ -1,21 +1,15 @@
 """Integrity: optional per-tensor checksums, computed and checked where the bytes already pass.
 
 Format. ``save_file(..., checksum="xxh3-64")`` adds ONE entry to ``__metadata__``,
-``"foxhunt.checksums"``, whose value is a compact JSON string::
+``"foxhunt.checksums"``, a compact JSON string that other readers ignore::
 
     {"v":1,"algorithm":"xxh3-64","block_bytes":8388608,"tensors":{"<name>":"<hex digest>",...}}
 
-Any other reader sees one more metadata string and ignores it: the file stays plain safetensors.
-
 Digest. A tensor's bytes are cut into blocks of ``block_bytes`` (the last one shorter), each
-block is hashed on its own, and the tensor digest is the hash of the block digests (each as a
-fixed-width little-endian integer, in block order); an empty tensor's digest is the hash of no
-bytes. Why blocks: chunks of one tensor are read (or written) by different threads in any order,
-so a single running hash cannot follow them; with chunks cut on block boundaries, every chunk
-hashes its own blocks on the thread that moves it, and the last block in completes the tensor.
-No second pass over the data is ever made.
-
-Checksums cover whole tensors only: a slice of a tensor cannot be checked against them.
+hashed on its own; the tensor digest is the hash of the block digests (fixed-width little-endian
+integers, in block order); an empty tensor's is the hash of no bytes. Blocks, because chunks of
+one tensor move on different threads in any order: each chunk, cut on block boundaries, hashes
+its own blocks as it moves, with no second pass. Checksums cover whole tensors only.
 """
 
 from __future__ import annotations
@@ -78,8 +72,7 @@ def algorithm(name: str) -> Algorithm:
 
 
 def check_block(block_bytes: int) -> int:
-    """A block size must be a power of two in [MIN_BLOCK, MAX_BLOCK] (so it divides into every
-    dtype's itemsize and aligns to every other block size)."""
+    """A block size must be a power of two in [MIN_BLOCK, MAX_BLOCK] (whole items, aligned blocks)."""
     if (type(block_bytes) is not int or block_bytes < MIN_BLOCK or block_bytes > MAX_BLOCK
             or block_bytes & (block_bytes - 1)):
         raise ValueError(f"checksum block size must be a power of two between {MIN_BLOCK} and {MAX_BLOCK}, "
@@ -88,6 +81,13 @@ def check_block(block_bytes: int) -> int:
 
 
 # ---------------------------------------------------------------- one tensor's digest
+
+def _check_cut(offset: int, n: int, size: int, block: int) -> None:
+    """Bytes ``[offset, offset + n)`` of a ``size``-byte tensor must be cut on ``block``-byte blocks."""
+    if offset % block or (n % block and offset + n != size) or offset + n > size:
+        raise ValueError(f"bytes [{offset}, {offset + n}) of a {size}-byte tensor are not cut on "
+                         f"{block}-byte checksum blocks")
+
 
 class TensorHasher:
     """Block digests of one tensor, filled by any thread in any order; thread-safe."""
@@ -102,14 +102,11 @@ class TensorHasher:
         self._lock = threading.Lock()
 
     def add(self, offset: int, data) -> bool:
-        """Hash the blocks in ``data`` (tensor bytes ``[offset, offset + len(data))``, cut on block
-        boundaries); True when this completed the tensor."""
+        """Hash the blocks in ``data`` (the tensor's bytes from ``offset``); True if now complete."""
         if not isinstance(data, np.ndarray):
             data = np.frombuffer(data, np.uint8)
         n, b = data.nbytes, self.block
-        if offset % b or (n % b and offset + n != self.size) or offset + n > self.size:
-            raise ValueError(f"bytes [{offset}, {offset + n}) of a {self.size}-byte tensor are not cut on "
-                             f"{b}-byte checksum blocks")
+        _check_cut(offset, n, self.size, b)
         fn = self.algo.fn
         return self.add_digests(offset // b, [fn(data[p:p + b]) for p in range(0, n, b)])
 
@@ -136,21 +133,14 @@ class TensorHasher:
 
 
 class ChunkHasher:
-    """Hashes one chunk of a tensor piece by piece, in order, as its bytes arrive.
-
-    The loader feeds it the chunk's bytes on the worker thread right after reading them
-    (``target.read_inspected``; pieces of ``target.PIECE_BYTES``, by default the whole chunk),
-    so no second pass over the data is made. ``done()`` records the chunk's block digests and
-    checks the tensor if it is now complete.
-    """
+    """Hashes one chunk of a tensor piece by piece, in order, as the worker reads its bytes (no
+    second pass); ``done()`` records the chunk's block digests and checks a completed tensor."""
 
     __slots__ = ("_tensor", "_first", "_pos", "_end", "_h", "_digests", "_on_complete")
 
     def __init__(self, tensor: TensorHasher, offset: int, nbytes: int, on_complete: Callable[[], None]) -> None:
         b = tensor.block
-        if offset % b or (nbytes % b and offset + nbytes != tensor.size) or offset + nbytes > tensor.size:
-            raise ValueError(f"bytes [{offset}, {offset + nbytes}) of a {tensor.size}-byte tensor are not cut on "
-                             f"{b}-byte checksum blocks")
+        _check_cut(offset, nbytes, tensor.size, b)
         self._tensor, self._first, self._pos, self._end = tensor, offset // b, offset, offset + nbytes
         self._h = None
         self._digests: list[int] = []
@@ -246,11 +236,8 @@ def strip(metadata: Mapping[str, str] | None) -> Mapping[str, str] | None:
 
 
 class SaveDigests:
-    """The saver's side: one hasher per tensor, and the metadata before and after hashing.
-
-    The header is written first, so it first carries placeholder digests of the final width
-    (same header length, same offsets) and is rewritten once every block is hashed.
-    """
+    """The saver's side: one hasher per tensor, and the metadata before (placeholder digests of
+    the final width: the header keeps its length) and after hashing."""
 
     def __init__(self, algo: str, block: int | None, names: Sequence[str], sizes: Sequence[int]) -> None:
         self.algo = algorithm(algo)

@@ -1,9 +1,7 @@
 """The load's side of checksums: each tensor checked as it lands, against its stored digest.
 
-``Verifier`` is the step a load runs when ``verify=True`` (``engine.inflight.LoadCheck``):
-chunks are hashed on the worker threads as they are read, or, for tensors landing on a GPU
-(``verify_on="auto"``), hashed there by a CUDA kernel once whole (``cuda.digest``). The digest
-format is ``checksums``.
+``Verifier`` is the load's ``LoadCheck`` step with ``verify=True``: chunks hashed on the worker
+threads as they are read, or tensors landing on a GPU hashed there once whole (``cuda.digest``).
 """
 
 from __future__ import annotations
@@ -26,13 +24,11 @@ CHECK_STREAMS = 16   # verify_on="landed" on a GPU: hashing kernels of up to thi
 class Verifier:
     """Checks each destination the moment its last block is hashed, on the thread that hashed it.
 
-    It is the load's ``LoadCheck`` step (``engine.inflight``). ``inspector(dest, run)`` is handed
-    to ``target.land``: a ChunkHasher fed the chunk's host bytes as they are read (into the
-    destination itself on the host, into the pinned slot on the way to a GPU). With
-    ``verify_on="landed"``, xxh3-64 tensors are instead hashed whole where they landed
-    (``landed``): on the host at once, on a GPU by a kernel queued after the tensor's copies, on
-    one of ``CHECK_STREAMS`` streams per device; a plain load defers its GPU tensors to one
-    batched launch per device and block size once every copy is done (``finish``).
+    ``inspector(dest, run)``: a ChunkHasher fed the chunk's host bytes as they are read. With
+    ``verify_on="landed"``, xxh3-64 tensors are hashed whole where they landed (``landed``): on
+    the host at once, on a GPU by a kernel queued after the tensor's copies on one of
+    ``CHECK_STREAMS`` streams, or, for a plain load, in one batched launch per device and block
+    size once every copy is done (``finish``).
     """
 
     def __init__(self, checks: list[tuple[str, str, Checksums] | None], sizes: Sequence[int],
@@ -136,8 +132,7 @@ class Verifier:
                 self.hash_landed(dest, buf, stream)
 
     def finish(self, buffer_of: Callable[[int], Any]) -> None:
-        """Every copy is done: hash the deferred GPU destinations in batched launches, then check
-        everything queued (raises the first mismatch)."""
+        """Every copy is done: hash the deferred GPU destinations, then check everything queued."""
         with self._pending_lock:
             later, self._deferred = self._deferred, []   # once: a second finish() must not relaunch
         if later:
@@ -168,16 +163,13 @@ class Verifier:
         return sorted({c[2].algorithm for c in self._checks if c is not None})
 
     def hash_landed(self, dest: int, buf, stream=None) -> None:
-        """Destination ``dest`` has landed in ``buf`` (its copies queued before ``stream``'s
-        current point, on a GPU). Host bytes are hashed and checked now; device bytes get their
-        block digests computed by a kernel queued on ``stream`` and are checked by ``settle``."""
+        """Destination ``dest`` has landed in ``buf`` (on a GPU: its copies queued before
+        ``stream``'s current point): host bytes checked now, device bytes hashed on ``stream``."""
         h = self._hashers[dest]
         if h is None or not self._landed[dest] or h.size == 0:
             return
         if not buf.device.is_cuda:
-            data = buf.host[:h.size]
-            if h.add(0, data):
-                self._check(dest)
+            self.add(dest, 0, buf.host[:h.size])
             return
         from ..cuda.digest import KernelUnavailable, block_digests
         out = None   # an unaligned view (load_into a slice of a bigger tensor): hash a host copy
@@ -190,10 +182,8 @@ class Verifier:
             self._pending[dest] = (out, buf, stream)
 
     def landed_batch(self, landed, stream_for) -> None:
-        """Destinations [(dest, buffer)] whose copies are all complete, hashed together: one
-        kernel launch per device and block size (``stream_for(device)`` gives its stream) instead
-        of one per tensor, whose Python overhead on the worker threads cost more than the hashing;
-        ``settle`` checks them."""
+        """Destinations [(dest, buffer)] whose copies are all complete, hashed in one kernel
+        launch per device and block size (on ``stream_for(device)``); ``settle`` checks them."""
         from ..cuda.digest import KernelUnavailable, spans_digests
         groups: dict[tuple, list] = {}
         for d, buf in landed:
@@ -221,9 +211,8 @@ class Verifier:
                     self._pending[d] = ((batch, first[i], first[i + 1]), buf, stream)
 
     def settle(self, dest: int | None = None) -> None:
-        """Check what ``landed`` queued on a GPU (every destination, or just ``dest``): waits for
-        the digests, hashes short last blocks (and unaligned tensors) on the host, raises
-        ChecksumError on a mismatch."""
+        """Check what ``landed`` queued on a GPU (every destination, or just ``dest``), short last
+        blocks and unaligned tensors hashed on the host; ChecksumError on a mismatch."""
         with self._settle_lock:
             self._settle(dest)
             if dest is not None and dest in self._failed:
@@ -250,8 +239,7 @@ class Verifier:
         if stream is not None:
             stream.synchronize()
         if out is None:
-            if h.add(0, _device_bytes(buf, 0, h.size)):
-                self._check(d)
+            self.add(d, 0, _device_bytes(buf, 0, h.size))
             return
         from ..cuda.digest import MIN_LONG
         if isinstance(out, tuple):   # a slice of a batch's digests

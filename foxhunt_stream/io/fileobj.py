@@ -1,14 +1,8 @@
-"""Checkpoints given as Python objects instead of paths: ``safe_open`` takes them where it takes a
-path, as ``safetensors.safe_open`` and its ``_safe_open_handle`` take file objects.
-
-* A file object with a descriptor (``open(path, "rb")``, text mode too, a local fsspec file) is
-  read through the file behind it: by its ``name`` when that names the same file, else by
-  ``/proc/self/fd/N`` (a renamed or deleted file too). The usual sources, page-cache rules and
-  changed-file checks apply.
-* A file object without one (a remote fsspec file, anything with ``read`` and ``seek``) is read
-  with ``seek`` and ``read`` under a lock, only the bytes asked for; a ``BytesIO`` is read in place
-  (its ``getbuffer()``); one that cannot seek (a pipe) is read whole, once.
-* A ``memoryview`` or a ``bytearray`` (never a path) is a checkpoint held in memory, read in place.
+"""Checkpoints given as Python objects instead of paths, which ``safe_open`` takes as
+``safetensors.safe_open`` and its ``_safe_open_handle`` do: a file object with a descriptor is
+read through the file behind it (by its ``name``, else ``/proc/self/fd/N``); one without is read
+with ``seek`` and ``read`` under a lock (a ``BytesIO`` in place, one that cannot seek whole,
+once); a ``memoryview`` or a ``bytearray`` is a checkpoint held in memory, read in place.
 """
 
 from __future__ import annotations
@@ -107,8 +101,7 @@ def _label(x: Any) -> str:
 
 
 def open_object(x: Any) -> str | tuple[Checkpoint, list[MemorySource]]:
-    """A file object or a buffer as a checkpoint: the path of the file behind its descriptor, or
-    the checkpoint (header read and validated) with its one open source."""
+    """A file object or a buffer as a checkpoint: the path behind its descriptor, or (checkpoint, [source])."""
     if not isinstance(x, (memoryview, bytearray)):
         path = descriptor_path(x)
         if path is not None:

@@ -1,20 +1,10 @@
 """A read-only mapping of a whole file, out of which strided runs are gathered.
 
-A column slice ``x[:, a:b]`` of a row-major tensor is thousands of short rows, ``pitch`` apart.
-Positional reads cannot skip the gaps between them, so they copy every covered byte out of the
-page cache; a strided numpy copy out of a mapping touches only the rows (and releases the GIL).
-
-A load maps each file once, when its source opens, and its workers share the mapping. Never
-per chunk: every ``munmap`` in a process with many threads interrupts each CPU running one of
-them (a TLB shootdown). The first touch of a fresh mapping's pages is a minor fault that maps
-them and their neighbours (the kernel's fault-around: 64 KiB, or the large folio holding them),
-and unmapping undoes every page so mapped: 20-200 ms for a TP=8 column shard of a 16 GB
-checkpoint on the H200 machine, depending on how the page cache holds the files. So a mapping
-that was used is unmapped off the load's path, once its source closes and no view of it is
-left: by one thread (``_unmap_pending``), without the GIL, its pages dropped before the munmap
-(``wait_unmapped`` waits for it).
-
-What a gather counts as read is ``touched_bytes``: the bytes of the pages holding its rows.
+A column slice ``x[:, a:b]`` is thousands of short rows, ``pitch`` apart: positional reads copy
+every covered byte, a strided copy out of a mapping touches only the rows (``touched_bytes``). A
+load maps each file once and its workers share the mapping; unmapping undoes every page a gather
+faulted in (20-200 ms for a TP=8 column shard of a 16 GB checkpoint on the H200 machine), so a
+used mapping is unmapped off the load's path by one thread (``_unmap_pending``).
 """
 
 from __future__ import annotations
@@ -74,8 +64,8 @@ def touched_bytes(run: "Run", page: int = PAGE) -> int:
 
 
 def page_extents(run: "Run", page: int = PAGE) -> Iterator[tuple[int, int]]:
-    """What ``touched_bytes`` counts, as ``(offset, length)`` extents in file order: whole pages
-    clipped to the span, neighbours merged. One step per row: for the fault hook and tests."""
+    """What ``touched_bytes`` counts, as ``(offset, length)`` extents in file order (one step per
+    row: for the fault hook and tests)."""
     lo = hi = -1
     end = run.src + run.span
     for r in range(run.height if run.width > 0 else 0):
@@ -173,15 +163,10 @@ def _release(addr: int, size: int, state: list) -> None:
 
 
 def _unmap_pending() -> None:
-    """Unmap the used mappings handed over, one after the other, until none is left.
-
-    A munmap holds the process's memory-map lock for writing while it undoes every page, so any
-    other thread that maps memory meanwhile (a new thread's stack, Python's or malloc's arenas)
-    waits for all of it: after a TP=8 column shard on the H200 machine, 30 ms of the load's
-    caller. The pages are therefore dropped first (MADV_DONTNEED, which takes that lock for
-    reading) ``DROP_BYTES`` at a time, and the munmap that follows has nothing left to undo.
-    One thread for them all: starting one per mapping maps a stack each time, which waits for
-    the munmap under way."""
+    """Unmap the used mappings handed over, one after the other, until none is left: their pages
+    dropped first (MADV_DONTNEED, under the memory-map lock for reading) ``DROP_BYTES`` at a time,
+    so that the munmap, which holds it for writing, does not stall every thread that maps memory
+    (30 ms of the load's caller after a TP=8 column shard)."""
     global _unmapper
     lib = _lib()
     while True:
@@ -197,9 +182,8 @@ def _unmap_pending() -> None:
 
 
 def wait_unmapped(timeout: float | None = None) -> bool:
-    """Wait until the mappings handed to background threads are gone; False if some are left
-    after ``timeout`` seconds. For tests and benchmarks: a timed round must not pay for the
-    unmapping of the round before."""
+    """Wait until the mappings handed to background threads are gone (False if some are left
+    after ``timeout`` seconds): a timed round must not pay for the round before."""
     with _unmapping_lock:
         threads = list(_unmapping)
     for t in threads:

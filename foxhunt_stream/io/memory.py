@@ -1,14 +1,11 @@
 """Checkpoints in memory, through the interfaces the loader and the saver use for files: a source
-over a buffer, read in place (``io.source.FileSource``'s interface), the validated header of such
-a buffer, and a sink that writes into a bytearray (``io.sink.AtomicFile``'s).
-
-``safe_open`` of a ``memoryview``, a ``bytearray`` or a ``BytesIO``, ``load(data)`` and
-``save(tensors) -> bytes`` of ``foxhunt_stream.numpy`` and ``foxhunt_stream.torch`` go through them.
+over a buffer read in place (``FileSource``'s interface), its validated header, and a sink that
+writes into a bytearray (``AtomicFile``'s), for ``safe_open`` of buffers, ``load`` and ``save``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -17,8 +14,7 @@ from ..format.header import MAX_HEADER_SIZE, N_LEN, Header, parse_header, read_h
 
 
 class MemorySource:
-    """The source interface over bytes in memory. Nothing on disk can change under it, so it has
-    no descriptor (``fd = -1``) and the changed-file checks pass it by."""
+    """The source interface over bytes in memory: no descriptor (``fd = -1``), nothing to change."""
 
     backend = "memory"
     direct_reads = True   # reads land straight in any host buffer
@@ -91,17 +87,8 @@ class MemorySink:
         self._view = None
 
 
-class ReadableSource(Protocol):
-    path: str
-
-    def size(self) -> int: ...
-
-    def read_into(self, out: np.ndarray, offset: int) -> None: ...
-
-
-def read_header_from(src: ReadableSource) -> Header:
-    """Read and validate the header through a source that is not a file on disk (a buffer, a file
-    object); a FormatError names the source."""
+def read_header_from(src: MemorySource) -> Header:
+    """Read and validate the header through a source that is not a file on disk."""
     size = src.size()
     try:
         prefix = np.empty(min(N_LEN, size), np.uint8)

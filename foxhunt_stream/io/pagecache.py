@@ -1,12 +1,9 @@
 """The page cache: what is resident, how to fill it without copying, and who is filling it.
 
-``resident_fraction`` samples a file's pages with ``mincore`` (the loader reads a file that is
-mostly cached through the cache, and a prefetch skips files already in memory);
-``sendfile_to_null`` pulls a byte range into the cache with no copy to user space (prefetch
-readers); ``advise`` passes ``posix_fadvise`` hints. The registry at the end is how a running
-prefetch and a starting load learn of each other without importing each other: a prefetch
-registers itself, the loader asks ``prefetching(path)`` (read through the cache, not around it) and
-says ``loading(path)`` (the prefetch drops its pacing: the load now waits for those bytes).
+``resident_fraction`` samples a file's pages with ``mincore``; ``sendfile_to_null`` pulls a byte
+range into the cache with no copy; ``advise`` passes ``posix_fadvise`` hints. The registry at the
+end is how a prefetch and a load learn of each other without importing each other: the loader
+asks ``prefetching(path)`` and says ``loading(path)`` (the prefetch drops its pacing).
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ _devnull_lock = threading.Lock()
 
 
 def _null_fd() -> int:
-    """Our descriptor of /dev/null, opened once; checked on each use (a daemonising caller may
-    have closed it and the number may name another file now: bytes must never go there)."""
+    """Our descriptor of /dev/null, opened once, checked on each use (its number may be reused)."""
     global _devnull, _devnull_rdev
     fd = _devnull
     if fd >= 0:
@@ -58,14 +54,11 @@ def _null_fd() -> int:
 
 
 def sendfile_to_null(fd: int, offset: int, length: int, step: int = 64 << 20) -> int | None:
-    """Pull ``[offset, offset+length)`` of ``fd`` into the page cache without copying it anywhere:
-    ``sendfile`` into ``/dev/null`` (the kernel reads the pages, nothing is written). One call per
-    ``step`` bytes, each releasing the GIL for all of it: a reader thread that comes back for the
-    GIL after every 1 MiB ``pread`` makes the main thread wait for it at each of its own system
-    calls (a convoy: ``stat``-heavy imports ran several times slower beside two such readers).
-    Returns the bytes warmed (fewer at end of file, or where ``sendfile`` stopped working part
-    way: the caller reads the rest, and a real read error shows there), or None where
-    ``sendfile`` cannot do this (not Linux, a filesystem without it): read through a buffer."""
+    """Pull ``[offset, offset+length)`` of ``fd`` into the page cache without copying it anywhere
+    (``sendfile`` into ``/dev/null``), one call per ``step`` bytes, each releasing the GIL for all
+    of it (readers that take it back per 1 MiB ``pread`` slowed ``stat``-heavy imports several
+    times). Returns the bytes warmed (fewer at end of file, or where ``sendfile`` stopped part
+    way), or None where ``sendfile`` cannot do this: read through a buffer then."""
     null = _null_fd() if _devnull != -1 else -1
     if null < 0:
         return None
@@ -86,8 +79,7 @@ def sendfile_to_null(fd: int, offset: int, length: int, step: int = 64 << 20) ->
 
 
 def advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
-    """``posix_fadvise(fd, offset, length, os.<advice>)``; a hint only: where the platform or the
-    filesystem refuses it, nothing changes."""
+    """``posix_fadvise(fd, offset, length, os.<advice>)``; a hint only (refused: nothing changes)."""
     try:
         os.posix_fadvise(fd, offset, length, getattr(os, advice))
     except (AttributeError, OSError, ValueError):
@@ -104,8 +96,7 @@ _snapshot: contextvars.ContextVar[dict | None] = contextvars.ContextVar("foxhunt
 
 @contextlib.contextmanager
 def residency_snapshot():
-    """Within the block, each file is sampled once: a load's setup asks about its files several
-    times (read through the cache? gather? cold?), at 0.2-0.3 ms a file on the H200 machine."""
+    """Within the block, each file is sampled once (a load's setup asks several times, 0.2-0.3 ms each)."""
     token = _snapshot.set({})
     try:
         yield
@@ -115,10 +106,8 @@ def residency_snapshot():
 
 def resident_fraction(path: str | os.PathLike, samples: int = 64) -> float:
     """Fraction of the file's pages in the page cache, from ``samples`` pages in runs of
-    ``SAMPLE_RUN`` spread evenly over it (one mincore call a run: O(samples), not O(file size),
-    well under a millisecond even for a multi-GB shard). ``samples`` >= the page count (or a
-    file of a few runs) checks every page.
-    Inside ``residency_snapshot`` the first answer for a file is kept."""
+    ``SAMPLE_RUN`` spread evenly over it (one mincore call a run); ``samples`` >= the page count
+    checks every page. Inside ``residency_snapshot`` the first answer for a file is kept."""
     memo = _snapshot.get()
     if memo is None:
         return _sample_residency(path, samples)
@@ -202,7 +191,6 @@ def prefetching(path: str | os.PathLike) -> bool:
 
 
 def loading(path: str | os.PathLike) -> None:
-    """A load of ``path`` starts: the prefetches reading it drop their pacing (it left the disk
-    to the imports; now the load waits for these bytes)."""
+    """A load of ``path`` starts: the prefetches reading it drop their pacing."""
     for w in _prefetchers_of(path):
         w.unthrottle()

@@ -1,34 +1,15 @@
 """How each file of a load is read, decided once per load from one sample of its page-cache
-residency, and passed down as a value: the plan cuts the file's chunks by it and the file's
-source opens by it (``ReadPolicy``).
+residency, and passed down as a value (``ReadPolicy``): the plan cuts the file's chunks by it and
+its source opens by it (docs/architecture.md, ``direct_io`` and ``backend``).
 
-Through the page cache, or around it with O_DIRECT. Reading through the cache is what makes a
-restart hot. On an H200 machine (16 vCPU) a load from the page cache runs at 44-49 GB/s, against
-about 2 GB/s from its disk, and bypassing the cache buys nothing cold there (buffered 1.84,
-O_DIRECT 1.85 GB/s). O_DIRECT is for a checkpoint that would not stay in the cache:
-- One larger than the memory the kernel can give it evicts its own first files before the load
-  ends, pushing everything else out on the way, and the next start reads it all from disk again.
-  On a 2-vCPU KVM guest, 28 GiB read through 22 GB of available memory left the first 12 files
-  wholly evicted.
-- One that only just fits is evicted in part by what the server allocates after the load. On the
-  same guest, an 8 GiB allocation after the load evicted 6.4 of 15 GiB cached, against 2.4 of
-  9 GiB.
-So with ``direct_io="auto"`` a file is read through the cache while the bytes the load takes from
-the cache stay within ``KEEP_FRACTION`` of the memory available, with those already resident
-counted first (``keep_in_cache``). The memory available is ``MemAvailable``, which counts the page
-cache as available, capped by the headroom under the process's cgroup limit. Half of it leaves as
-much again for what comes after the load. A file that a prefetch is filling, or that is mostly
-resident already, is always read through the cache.
-
-Then, for a file read through the cache:
-- cached (``GATHER_RESIDENT``) and holding a column slice: with ``backend="auto"`` it is also
-  mapped, and its strided runs are gathered row by row out of the mapping (``io.mapping``),
-  touching only the pages of their rows;
-- mostly not cached (``COLD_RESIDENT``): it is being read from the disk now. It is read in whole
-  slots (the disk serves bigger requests better), as up to one sequential stream per worker each
-  through a descriptor of its own (a load awaited whole: the kernel's readahead then fills the
-  cache in large folios), and every range read is passed through the cache once more
-  (``FileSource.promote``), so that a restart reads it hot.
+Through the page cache, which makes a restart hot (44-49 GB/s against about 2 GB/s from the disk
+on the H200 machine), or around it with O_DIRECT for what would not stay there: with
+``direct_io="auto"`` a file goes through the cache while what the load takes from it fits in
+``KEEP_FRACTION`` of the memory available (``MemAvailable``, capped by the cgroup's headroom),
+resident files counted first; a file a prefetch is filling, or mostly resident, always does.
+Read through the cache, a cached file holding a column slice is also mapped and gathered
+(``backend="auto"``, ``io.mapping``); a cold one is read in whole slots, as sequential streams,
+each range passed through the cache once more (``FileSource.promote``).
 """
 
 from __future__ import annotations
@@ -48,18 +29,15 @@ MOSTLY_RESIDENT = 0.5    # a file this much in the cache already is read through
 UNLIMITED = 1 << 60      # cgroup v1 writes "no limit" as a number near 2**63
 GATHER_RESIDENT = 0.9    # a file at least this much in the cache gathers its column slices out of a mapping
 COLD_RESIDENT = 0.5      # a file read through the cache with less than this of it there comes from the disk
-# A cold file read through the cache is read as up to ``threads`` sequential streams, each with a
-# descriptor of its own; a load opens at most this many of them. On the H200 machine (Linux 6.18,
-# ext4), after a cold load of a 16 GB checkpoint through one descriptor per file (small folios)
-# the next start's TP=8 column shard took 0.34-0.36 of the full load, after one in streams (2 MiB
-# folios) 0.22-0.24; the cold load ran 13% faster too.
+# A cold file read through the cache is read as up to ``threads`` sequential streams, a descriptor
+# each, at most this many a load (after one, the next start's TP=8 column shard took 0.22-0.24 of
+# the full load, against 0.34-0.36 after a cold load through one descriptor per file).
 STREAM_FDS = 256
 
 
 @dataclass(frozen=True, slots=True)
 class ReadPolicy:
-    """How one file of a load is read (module docstring): made by ``read_policies``, read by the
-    planner (``format.plan.plan_load``) and by ``open``."""
+    """How one file of a load is read (module docstring), for the planner and ``open``."""
     size: int                 # the file's size when its header was read
     backend: str = "pread"    # "pread", "direct" (O_DIRECT) or "mmap" (every read a copy out of a mapping)
     gather: bool = False      # strided runs gathered row by row out of a mapping of the file
@@ -177,9 +155,8 @@ def _mem_available() -> int | None:
 
 
 def _cgroup_dirs() -> list[tuple[str, tuple[str, str, str]]]:
-    """The memory cgroup directories that may hold this process's limit, with the names of
-    their limit, usage and stat files. Inside a container the cgroup path in /proc/self/cgroup
-    may not exist under /sys/fs/cgroup, whose root is then the container's own cgroup."""
+    """The memory cgroup directories that may hold this process's limit, with the names of their
+    limit, usage and stat files (in a container, /sys/fs/cgroup may be its own cgroup)."""
     v2 = ("memory.max", "memory.current", "memory.stat")
     v1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat")
     out = []
@@ -214,7 +191,7 @@ def _cgroup_headroom() -> int | None:
 
 def available_memory() -> int | None:
     """Bytes of memory the page cache could hold for a load: ``MemAvailable``, capped by the
-    headroom under this process's memory cgroup limit; None where neither can be read."""
+    cgroup's headroom (None where neither can be read)."""
     avail = _mem_available()
     head = _cgroup_headroom()
     if head is None:

@@ -1,11 +1,10 @@
 """Sinks: a file that appears atomically (temp file, positional writes, fsync, rename) or not at
 all, and a set of files (a sharded checkpoint and its index) that appears together (``commit_all``).
 
-Temp files are named ``.<target>.foxhunt-tmp.<pid>.<random>`` in the target's directory: never
-``*.safetensors``, so a crash leaves nothing a loader would mistake for a checkpoint. The writer
-holds an exclusive ``flock`` on its temp file from its creation to its commit or abort, and
-``clean_stale_temps`` removes only the temps whose lock it can take: no live writer holds them,
-in this PID namespace or any other (the pid in the name is informative only).
+Temp files are named ``.<target>.foxhunt-tmp.<pid>.<random>`` (never ``*.safetensors``). The
+writer holds an exclusive ``flock`` on its temp file until its commit or abort, and
+``clean_stale_temps`` removes only the temps whose lock it can take (no live writer, in any PID
+namespace).
 """
 
 from __future__ import annotations
@@ -75,19 +74,12 @@ def _in_memory_fs(directory: str) -> bool:
 class AtomicFile:
     """Write a file of known size at ``path`` through a temp file; ``commit`` publishes it.
 
-    Two ways to put bytes in it. ``pwrite``: positional writes, which the kernel serializes per
-    file (one inode lock), so threads do not add up. ``mmap``: the space is reserved first with
-    fallocate (a full disk or a size limit fails here, cleanly, instead of as SIGBUS later), then
-    threads copy into a shared mapping in parallel; measured on an H200 machine (16 vCPU), a fresh
-    /dev/shm file took 2.5-3.0 GB/s by pwrite and 5.3-6.0 GB/s by mmap (benchmarks/RESULTS.md).
-    Each write maps only its own window and unmaps it at once, so the process's RSS stays flat.
-    ``auto`` maps files of at least 64 MiB on tmpfs/ramfs written by at least 8 threads
-    (``writers``), where fallocate works; everything else uses pwrite. Measured on a 2-vCPU Xeon
-    KVM guest (2 writers, benchmarks/RESULTS.md): mmap was 1.3-1.9x slower than pwrite into
-    /dev/shm and 3-9x slower into a new file on ext4 with fsync=False (plausibly because each
-    first touch of a page of a fallocated file is a fault into the filesystem); the mapping only
-    pays off when many threads copy at once, and a disk filesystem was never measured faster by
-    mmap.
+    Two ways to put bytes in it: ``pwrite`` (positional writes, serialized by the kernel per
+    file), or ``mmap`` (the space reserved with fallocate first, so that a full disk fails here
+    and not as a SIGBUS, then each write copies into a mapping of its own window). ``auto`` maps
+    files of at least 64 MiB on tmpfs/ramfs written by at least 8 threads (``writers``): a fresh
+    /dev/shm file took 2.5-3.0 GB/s by pwrite and 5.3-6.0 GB/s by mmap on the H200 machine, while
+    with 2 writers mmap was 1.3-9x slower (docs/architecture.md, ``write_backend``).
     """
 
     def __init__(self, path: str | os.PathLike, size: int, fsync: bool = True, backend: str = "auto",
@@ -163,9 +155,8 @@ class AtomicFile:
             done += n
 
     def seal(self) -> None:
-        """Every byte written: make them durable (fsync, when asked). The temp file stays open,
-        and locked, and unpublished until ``commit`` (or ``abort``). Idempotent; on failure the
-        caller aborts."""
+        """Every byte written: make them durable (fsync, when asked); the temp file stays open,
+        locked and unpublished until ``commit``. Idempotent; on failure the caller aborts."""
         if self.fd >= 0 and not self._sealed:
             if self.fsync:
                 os.fsync(self.fd)   # also writes back the pages dirtied through mappings
@@ -202,12 +193,9 @@ class AtomicFile:
 
 
 def _take_attributes(fd: int, path: str) -> None:
-    """Give the new file (``fd``) what the file it replaces at ``path`` has: its permission bits
-    (rwx of owner, group, others; not setuid, setgid or sticky), its owner and group where this
-    process may set them (root; or the group alone, for a member of it), and its extended
-    attributes, POSIX ACLs among them, each where the platform, the filesystem and this
-    process's rights allow (best effort: one that cannot be set is left out). Nothing when no
-    regular file is there: the new file then has the umask's mode, as any new file."""
+    """Give the new file (``fd``) what the regular file it replaces at ``path`` has: its rwx
+    permission bits, its owner and group where this process may set them, and its extended
+    attributes (POSIX ACLs among them), each as far as allowed; none there: the umask's mode."""
     try:
         st = os.stat(path)
     except OSError:
@@ -273,8 +261,7 @@ def _temp_name(path: str) -> str:
 
 
 def _keep_old(path: str) -> tuple[bool, str | None]:
-    """Before ``path`` is replaced: whether a file is there, and a hard link that keeps it (None
-    where there is none or the filesystem cannot link)."""
+    """Before ``path`` is replaced: whether a file is there, and a hard link that keeps it, or None."""
     if not os.path.lexists(path):
         return False, None
     backup = _temp_name(path)
@@ -304,14 +291,11 @@ def commit_all(files: Sequence[AtomicFile], replaces: Callable[[], Iterable[str]
     their directory (``dirlock``), which readers of an index take shared: a reader sees the set
     before the commit or after it, and two commits into one directory run one after the other.
 
-    Every file is sealed first, so the failures that writing can still have (fsync's among them)
-    come before anything is renamed. Then, with the lock held, ``replaces()`` names the files of
-    an earlier version that the new set replaces without overwriting them; each file is renamed
-    into place, and then each of those is moved aside. If a rename fails, the ones already done
-    are undone (a new name removed, a replaced or moved file restored from a hard link or the
-    name it was moved to). On any failure every temp file is removed and the directory holds
-    what it held before; on success the links and the moved files go and each directory is
-    fsynced once.
+    Every file is sealed first (fsync's failures come before any rename). Then, with the lock
+    held, each file is renamed into place and the files of an earlier version it replaces
+    without overwriting them (``replaces()``) are moved aside. If a rename fails, the ones done
+    are undone from hard links and moved names, every temp file is removed and the directory
+    holds what it held before; on success the links and moved files go.
     """
     published: list[tuple[str, bool, str | None]] = []
     directories = sorted({os.path.dirname(f.path) for f in files})

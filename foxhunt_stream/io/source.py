@@ -1,29 +1,12 @@
 """Sources: read byte ranges of a file into host memory.
 
-Backends behind one small interface:
-
-* ``pread``  - ``os.preadv`` (releases the GIL, and a truncated file is a short
-  read, never a SIGBUS); a strided run (a column slice) is read as its whole row span;
-* ``auto``   - ``pread``, and the file also maps itself (``mapping.FileMap``) so that a strided
-  run is gathered row by row, touching only the pages of its rows (the default: the loader gives
-  it to the files in the page cache that hold a column slice, ``pread`` or ``direct`` to the
-  others);
-* ``mmap``   - every read is a numpy copy out of the mapping;
-* ``direct`` - ``O_DIRECT`` reads of page-aligned spans into aligned buffers, bypassing the page
-  cache (for cold files); the bytes wanted are a view into the over-read span.
-
-A file the disk is filling the page cache with (a cold one read through the cache) may be read as
-a few sequential streams (``FileSource.read_in_streams``), each a stretch of the file read through
-a descriptor of its own: the kernel's readahead, which keeps its state per descriptor, then sees
-sequential reads and fills the cache in large folios (up to 2 MiB), where many workers reading side
-by side through one descriptor look random to it and leave 4-16 KiB folios. Large folios make the
-next start's column gathers out of a mapping faster (fewer faults and unmaps).
-
-A copy out of a mapping re-checks the file's size first, so a file truncated before it is a
-FormatError; one truncated in place during the copy ends the process with SIGBUS (``pread``
-never maps). Every source counts what it read (``bytes_read``): the bytes of a positional read,
-the bytes of the pages a gather touches (``mapping.touched_bytes``). Tests use it to prove that
-unselected bytes are never read.
+Backends behind one small interface: ``pread`` (``os.preadv``: releases the GIL, and a truncated
+file is a short read, never a SIGBUS; a strided run is read as its whole row span); ``auto``
+(``pread``, and the file also mapped so that a strided run is gathered row by row); ``mmap``
+(every read a copy out of the mapping); ``direct`` (``O_DIRECT`` reads of page-aligned spans,
+bypassing the page cache). A cold file may be read as a few sequential streams, a descriptor
+each (``FileSource.read_in_streams``; docs/architecture.md, ``direct_io``). Every source counts
+what it read (``bytes_read``), which tests use to prove that unselected bytes are never read.
 """
 
 from __future__ import annotations
@@ -82,12 +65,9 @@ class FileSource:
     backend = "pread"
     direct_reads = True   # can read straight into any host buffer (no alignment constraints)
     identity: tuple | None = None   # file_identity when its header was read (set by the loader)
-    # The file is being read from the disk into the page cache: after each read, pass the range
-    # through the cache once more (sendfile to /dev/null: no copy), so the kernel counts its pages
-    # in use twice and moves them to its active list now, while the reads wait on the disk. A
-    # restart then reads them at the hot rate: on an H200 machine (Linux 6.18), the second load
-    # after a cold one ran at 0.68x a later one; the first access of a cached page only marks it,
-    # the second moves it between the kernel's lists, under a lock all the readers share.
+    # Read from the disk into the page cache: each range passed through the cache once more
+    # (sendfile to /dev/null), so the kernel moves its pages to its active list now and a restart
+    # reads them hot (without it, the load after a cold one ran at 0.68x a later one).
     promote: bool = False
 
     def __init__(self, path: str | os.PathLike, expected_size: int | None = None, gather: bool = False) -> None:
@@ -174,13 +154,16 @@ class FileSource:
                            f"read of {want} bytes at offset {offset} returned only {got}: the file is shorter "
                            "than its header says (truncated or changed while loading?)", path=self.path)
 
+    def _failed(self, e: OSError, offset: int, length: int) -> OSError:
+        """A failed read, naming the file and the range."""
+        return OSError(e.errno, f"{self.path}: read of {length} bytes at offset {offset} failed: {e.strerror}")
+
     def _inject(self, offset: int, length: int) -> int | None:
         """Run the test-only fault hook; an OSError it raises reports like a failed read."""
         try:
             return fault_hook(self, offset, length)
         except OSError as e:
-            raise OSError(e.errno, f"{self.path}: read of {length} bytes at offset {offset} failed: "
-                                   f"{e.strerror}") from e
+            raise self._failed(e, offset, length) from e
 
     def check_unchanged(self, rule: str = "file-changed") -> None:
         """FormatError ``rule`` unless the open file is still the one its header was read from:
@@ -211,8 +194,7 @@ class FileSource:
             try:
                 n = os.preadv(fd, [mv[got:limit]], offset + got)
             except OSError as e:
-                raise OSError(e.errno, f"{self.path}: read of {want} bytes at offset {offset} failed: "
-                                       f"{e.strerror}") from e
+                raise self._failed(e, offset, want) from e
             if n == 0:
                 raise self._short(offset, got, want)
             got += n
@@ -221,8 +203,7 @@ class FileSource:
             self._touch_again(offset, want, fd)
 
     def _touch_again(self, offset: int, length: int, fd: int | None = None) -> None:
-        """The second use of freshly cached pages (see ``promote``), through ``fd`` (the one
-        that read them); best effort."""
+        """The second use of freshly cached pages (``promote``) through ``fd``; best effort."""
         try:
             sendfile_to_null(self.fd if fd is None else fd, offset, length)
         except OSError:
@@ -251,8 +232,7 @@ class FileSource:
                         break
                     got += n
         except OSError as e:
-            raise OSError(e.errno, f"{self.path}: read of {length} bytes at offset {offset} failed: "
-                                   f"{e.strerror}") from e
+            raise self._failed(e, offset, length) from e
         if got < length:
             raise self._short(offset, got, length)
         if not copy:   # the load that follows reads them at the hot rate (``promote``)
@@ -274,9 +254,8 @@ class FileSource:
 
     def gather(self, run: "Run", out: np.ndarray) -> bool:
         """Pack the rows of a 2-D run into ``out[:run.nbytes]`` with one strided copy out of the
-        mapping (the GIL released), touching only the pages of those rows, and count those pages
-        as read. False without a mapping: positional reads cannot skip the gaps between rows, so
-        the caller reads the whole span with ``read_span``."""
+        mapping, touching (and counting as read) only the pages of those rows. False without a
+        mapping: the caller reads the whole span with ``read_span``."""
         m = self.map
         if m is None:
             return False
@@ -286,9 +265,8 @@ class FileSource:
         return True
 
     def _check_mapped(self, offset: int, length: int, extents) -> None:
-        """Before a copy of ``[offset, offset+length)`` out of the mapping: the fault hook (on each
-        of ``extents``), then the file's size, so that a truncated file is FormatError
-        "file-truncated" and not a SIGBUS."""
+        """Before a copy out of the mapping: the fault hook (on each of ``extents``), then the
+        file's size, so that a truncated file is FormatError "file-truncated", not a SIGBUS."""
         if fault_hook is not None:
             for off, n in extents:
                 r = self._inject(off, n)
@@ -392,9 +370,8 @@ class DirectSource(FileSource):
 
 
 def open_source(path, backend: str = "pread", expected_size: int | None = None, *, gather: bool = False) -> FileSource:
-    """A source for ``backend``: positional reads (``pread``; with ``gather``, or ``auto``, the
-    file is also mapped and its strided runs gathered out of the mapping), copies out of a mapping
-    (``mmap``) or O_DIRECT reads (``direct``)."""
+    """A source for ``backend`` (module docstring); with ``gather`` a ``pread`` source also maps
+    the file and gathers its strided runs out of the mapping."""
     if backend in ("pread", "auto"):
         return FileSource(path, expected_size, gather=gather or backend == "auto")
     if backend == "mmap":

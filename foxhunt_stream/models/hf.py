@@ -1,12 +1,9 @@
 """transformers' ``from_pretrained`` with the bytes from a foxhunt_stream background load.
 
 The model is built, matched, initialised, tied and reported by transformers' own functions
-(``hf_build``, ``hf_match``), in transformers' order, while the load runs; each loaded tensor
-then takes its place. The call returns only once every tensor has landed: nothing the caller
-can reach is ever on the meta device. On CUDA a one-token forward runs while the weights
-stream in (each module waits for its own), so that the first forward's one-time costs -- CUDA
-kernels loaded on first use, the cuBLAS handle, transformers' first calls -- overlap the load
-instead of following it. What this path cannot serve goes to transformers' own from_pretrained.
+(``hf_build``, ``hf_match``) while the load runs, and returned once every tensor has landed. On
+CUDA a one-token forward runs meanwhile (``warm_up``), so the first forward's one-time costs
+overlap the load. What this path cannot serve goes to transformers' own from_pretrained.
 """
 
 from __future__ import annotations
@@ -36,10 +33,8 @@ REPORT_LOGGER = "transformers.modeling_utils"   # the logger transformers' own l
 
 def prepare(source: CheckpointSource, model_class, dtype, kwargs: dict) -> Recipe:
     """The config, the concrete class and the dtype, found before the load starts (Unservable:
-    transformers' own from_pretrained takes it). Finding the class imports the architecture's
-    modeling code: transformers imports lazily, so this is seconds of pure Python, and a load
-    running beside it takes the GIL from it (on an H200 machine with 16 vCPU, a hot start spent
-    about 2 s more here with the load started first than the whole load takes)."""
+    transformers' own from_pretrained takes it). Finding the class imports the modeling code,
+    seconds of pure Python that a load beside it would slow (by about 2 s on a hot start)."""
     model_class = model_class or transformers.AutoModelForCausalLM
     if dtype is not None:
         kwargs = dict(kwargs, dtype=dtype)
@@ -50,9 +45,7 @@ def prepare(source: CheckpointSource, model_class, dtype, kwargs: dict) -> Recip
 
 def finish(source: CheckpointSource, r: Recipe, handle, device, model_class, dtype, kwargs: dict,
            warm_forward: bool | None):
-    """The model from ``handle`` (a background load of ``source.weights`` already running) and
-    ``r`` (``prepare``), or transformers' own from_pretrained when this path cannot serve it (the
-    load is cancelled)."""
+    """The model from ``handle`` and ``r``, or (the load cancelled) transformers' own from_pretrained."""
     try:
         return streamed_model(source, r, handle, device, warm_forward)
     except Unservable as e:
@@ -93,8 +86,7 @@ def streamed_model(source: CheckpointSource, r: Recipe, handle, device, warm_for
 
 
 def checkpoint_dtype(weights: str) -> torch.dtype | str:
-    """What transformers' ``dtype="auto"`` takes when the config names none: the index's
-    ``metadata.dtype``, else the first floating tensor of the first shard (names sorted)."""
+    """``dtype="auto"`` without a config dtype: the index's, else the first shard's first float's."""
     ck = open_checkpoint(weights)
     if ck.index_metadata and "dtype" in ck.index_metadata:
         return ck.index_metadata["dtype"]
@@ -139,8 +131,7 @@ def mark_loaded(t: torch.Tensor) -> None:
 
 
 def values_needed_to_tie(model, plan: KeyPlan) -> list[str]:
-    """Checkpoint names of tied pairs the checkpoint holds both halves of: transformers ties them
-    only if their values are equal, so those two must be loaded before tying."""
+    """Names of tied pairs the checkpoint holds both halves of: loaded before tying (values compared)."""
     by_key = {key: name for name, key in plan.targets.items()}
     out: list[str] = []
     for target, source in getattr(model, "all_tied_weights_keys", {}).items():
@@ -194,10 +185,8 @@ def load_generation_config(model, r: Recipe, source: CheckpointSource) -> None:
 
 def warm_up(model, device: torch.device) -> None:
     """One token through the model while the weights land (each module's pre-hook waits for its
-    own). Its output is dropped and what it changed on the modules is undone (``ModuleState``: a
-    rotary module may re-register its tables or cache a long-context copy on its first call);
-    a model whose forward wants other inputs is just not warmed (a load error comes again from
-    the wait that follows)."""
+    own); what it changed on the modules is undone (``ModuleState``). A model whose forward wants
+    other inputs is not warmed; a load error comes again from the wait that follows."""
     params = inspect.signature(model.forward).parameters
     if "input_ids" not in params:
         return

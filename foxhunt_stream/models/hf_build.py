@@ -1,8 +1,6 @@
-"""The model on the meta device, built the way transformers' ``from_pretrained`` builds it.
-
-Config (with the keyword overrides and the Auto classes' choice of class), the dtype
-(transformers' default, ``"auto"``) and the model under ``get_init_context``: every parameter
-and buffer on meta, tied weights not yet tied. Only transformers' own functions decide.
+"""The model on the meta device, built the way transformers' ``from_pretrained`` builds it: the
+config, the class, the dtype and the model under ``get_init_context`` (ties not yet made), each
+decided by transformers' own functions.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Where a Hugging Face checkpoint is, and whether the streamed ``from_pretrained`` can serve it.
 
-Pure apart from looking at the directory and reading ``config.json`` as plain JSON: no torch,
-no transformers, so the load can start before either is imported. What this path cannot serve
-is named here (``Unservable``'s message) and handed to transformers' own ``from_pretrained``.
+No torch, no transformers (``config.json`` read as plain JSON), so the load can start before
+either is imported. What this path cannot serve is named here (``Unservable``).
 """
 
 from __future__ import annotations
@@ -120,8 +119,7 @@ def device_obstacle(device: Any) -> str | None:
 
 def plan(path: str | os.PathLike, device: Any, auto_class_name: str | None,
          kwargs: Mapping[str, Any]) -> tuple[CheckpointSource | None, str | None]:
-    """The checkpoint (None if ``path`` is not a local one) and the first thing this path cannot
-    serve (None: it serves it all)."""
+    """The checkpoint (None if not a local one) and the first thing this path cannot serve."""
     try:
         source = resolve(path)
     except Unservable as e:

@@ -1,9 +1,7 @@
 """Loading a checkpoint into a torch module: ``load_model``'s machinery.
 
-The weights land in the module's own tensors (``engine.loader.load_into`` with the module's
-parameters and buffers as the store), or, from a load already running in the background, the
-loaded tensors are handed to the module (meta tensors take them, real ones are copied into).
-``StreamedLoad`` lets the first forward start before the load is done.
+The weights land in the module's own tensors (``load_into``), or a background load's tensors
+are handed to the module; ``StreamedLoad`` lets the first forward start before the load is done.
 """
 
 from __future__ import annotations
@@ -29,11 +27,8 @@ log = logging.getLogger("foxhunt_stream")
 
 
 class LoadModelError(StoreMismatchError, RuntimeError):
-    """load_model found missing/unexpected names (strict) or tensors that cannot be filled.
-
-    A RuntimeError like the reference's (and torch's ``load_state_dict``'s), and a
-    StoreMismatchError with the ``problems``, ``missing`` and ``unexpected`` lists.
-    """
+    """load_model found missing/unexpected names (strict) or tensors that cannot be filled: a
+    RuntimeError like the reference's, and a StoreMismatchError with its lists."""
 
     def __init__(self, model_name: str, problems: list[str], missing=(), unexpected=()) -> None:
         super().__init__(problems, missing=missing, unexpected=unexpected)
@@ -76,19 +71,14 @@ def load_model(model: torch.nn.Module, filename: str | os.PathLike | LoadHandle,
     mismatch is always an error.
 
     The weights land in the module's own tensors, wherever they are (``device`` does not move
-    them: as in the reference, where it only chooses the staging device). A module built on the
-    meta device must be given storage first: ``model.to_empty(device=...)`` (then re-tie shared
-    weights) or ``materialize=True``, which does it here on ``device``, keeping ties (see
-    ``materialize``). ``source`` may also be a list, an index.json or a directory; options
-    as for ``load_into``.
+    them, as in the reference). A module built on the meta device needs storage first:
+    ``model.to_empty(device=...)`` or ``materialize=True`` (on ``device``, ties kept). ``source``
+    may also be a list, an index.json or a directory; options as for ``load_into``.
 
-    ``source`` may also be the handle of a load already running, ``load_file(..., device=...,
-    background=True)``, started before the model existed (say, before ``import transformers``),
-    so that the I/O overlaps the imports and the model's construction. Then the model's meta
-    tensors take the loaded tensors themselves (as ``load_state_dict(assign=True)``, tied ones
-    stay tied, a dtype that differs is cast); tensors that have storage are copied into.
-    With ``wait=False`` it returns a ``StreamedLoad`` at once instead: each module takes its
-    tensors when it first runs, so the first forward overlaps the rest of the load.
+    ``source`` may also be the handle of a load already running (``load_file(...,
+    background=True)``, started before the model existed): the model's meta tensors then take the
+    loaded tensors (as ``load_state_dict(assign=True)``, ties kept, another dtype cast), tensors
+    with storage are copied into. ``wait=False`` returns a ``StreamedLoad`` at once instead.
     """
     if isinstance(filename, LoadHandle):
         if options or materialize:
@@ -179,8 +169,7 @@ def _match_handle(model: torch.nn.Module, handle, strict: bool) -> tuple[dict, s
 
 
 def _hand_over(old: torch.Tensor, slots, loaded: torch.Tensor) -> None:
-    """One loaded tensor into the model: a meta tensor takes it (cast if the dtype differs),
-    real storage (maybe elsewhere, maybe another dtype) is filled in place."""
+    """One loaded tensor into the model: a meta tensor takes it (cast), real storage is filled."""
     with torch.inference_mode(False), torch.no_grad():   # a forward's inference_mode must not leak in
         if old.is_meta:
             put(old, slots, loaded if loaded.dtype == old.dtype else loaded.to(old.dtype))
@@ -206,16 +195,12 @@ def _load_from_handle(model: torch.nn.Module, handle, strict: bool, wait: bool):
 class StreamedLoad:
     """``load_model(model, handle, wait=False)``: the model runs before its weights have landed.
 
-    Each module that owns tensors of the file gets a forward pre-hook that waits for just those
-    (``handle.wait``), hands them over as ``load_model`` does and removes itself. The first
-    forward pass thus starts at once, and its one-time costs (kernel loading, the cuBLAS handle,
-    Python warm-up) overlap the load instead of following it; layer ``k`` runs as soon as its
-    bytes are on the device. ``wait()`` hands over whatever no forward has asked for yet; after
-    it (or once every module has run) the model is exactly what ``load_model(model, handle)``
-    gives. A load error is raised by the forward that needs the failed tensor, and by ``wait()``.
-
-    Until then the tensors of modules that have not run are still on the meta device: code that
-    reads ``model.state_dict()`` or another module's weights directly must call ``wait()`` first.
+    Each module that owns tensors of the file gets a forward pre-hook that waits for just those,
+    hands them over as ``load_model`` does and removes itself, so the first forward's one-time
+    costs overlap the load. ``wait()`` hands over the rest; after it the model is what
+    ``load_model(model, handle)`` gives. A load error is raised by the forward that needs the
+    failed tensor, and by ``wait()``; until then, tensors of modules that have not run are still
+    on the meta device.
     """
 
     def __init__(self, model: torch.nn.Module, handle, store: dict, missing: set[str], unexpected: list[str]) -> None:
@@ -270,8 +255,7 @@ class StreamedLoad:
 
 
 def _wait_torch_streams(tensors) -> None:
-    """Writes go on the loader's own streams: first let torch finish what it queued on the
-    destinations (an init kernel, say)."""
+    """Let torch finish what it queued on the destinations: the loader writes on its own streams."""
     for index in {t.device.index or 0 for t in tensors if t.device.type == "cuda"}:
         torch.cuda.current_stream(index).synchronize()
 

@@ -1,12 +1,9 @@
 """torch module state: which tensors share memory, and putting new tensors into a module.
 
-The shared-tensor rules are safetensors' own: ``find_shared_tensors`` groups names whose bytes
-overlap, ``remove_duplicate_names`` keeps one per group (the alphabetically first covering the
-whole storage), ``check_savable`` refuses what ``save_file`` cannot write. ``foxhunt_stream.torch``
-exports them under safetensors' names (``_find_shared_tensors``, ``storage_ptr``...), which
-transformers and accelerate import. ``tensor_places`` finds every slot a parameter or buffer sits
-in, so that replacing it (``put``, ``swap_tensors``, ``materialize``) keeps tied tensors tied and
-parameters parameters.
+The shared-tensor rules are safetensors' own (``find_shared_tensors``, ``remove_duplicate_names``,
+``check_savable``; ``foxhunt_stream.torch`` exports them under safetensors' names).
+``tensor_places`` finds every slot a parameter or buffer sits in, so that replacing it keeps tied
+tensors tied and parameters parameters.
 """
 
 from __future__ import annotations
@@ -53,8 +50,7 @@ def end_ptr(tensor: torch.Tensor) -> int:
 
 
 def is_complete(tensor: torch.Tensor) -> bool:
-    """``tensor`` starts where its storage starts and covers all of it (saving it saves every
-    view of that storage)."""
+    """``tensor`` starts where its storage starts and covers all of it."""
     return (tensor.data_ptr() == storage_ptr(tensor)
             and tensor.nelement() * tensor.element_size() == storage_size(tensor))
 
@@ -166,9 +162,8 @@ def put(old: torch.Tensor, slots: list[tuple[torch.nn.Module, str, str]], data: 
 
 
 def swap_tensors(model: torch.nn.Module, new_data) -> list[str]:
-    """Put ``new_data(t)`` in place of each parameter and buffer ``t`` it gives data for (None:
-    keep ``t``), wherever ``t`` sits, so tied tensors stay one tensor and parameters stay
-    parameters. Returns the names replaced, aliases included."""
+    """Put ``new_data(t)`` (None: keep ``t``) in place of each parameter and buffer ``t`` wherever
+    it sits, ties and parameters kept; returns the names replaced, aliases included."""
     done: list[str] = []
     for old, slots in tensor_places(model).values():
         data = new_data(old)
@@ -180,11 +175,10 @@ def swap_tensors(model: torch.nn.Module, new_data) -> list[str]:
 def materialize(model: torch.nn.Module, device: str | int | torch.device = "cpu") -> list[str]:
     """``model.to_empty(device=...)`` for the meta tensors only, keeping tied tensors tied.
 
-    Every parameter and buffer on the meta device gets uninitialised storage on ``device``
-    (``to_empty`` alone would untie shared weights, and would also wipe tensors that are already
-    real). Returns the names of the materialised tensors that the state dict does not hold
-    (non-persistent buffers such as rotary ``inv_freq``), which no load fills: the caller must
-    initialise those (a MaterializeWarning lists them too).
+    Every meta parameter and buffer gets uninitialised storage on ``device`` (``to_empty`` would
+    untie shared weights and wipe real ones). Returns the materialised names that the state dict
+    lacks (non-persistent buffers such as ``inv_freq``), which no load fills and the caller must
+    initialise (a MaterializeWarning lists them too).
     """
     dev = torch.device(str(parse_device(device)))
     done = swap_tensors(model, lambda t: torch.empty_like(t, device=dev) if t.is_meta else None)

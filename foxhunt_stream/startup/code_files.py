@@ -1,13 +1,8 @@
 """The code a start imports, read before the weights (``prefetch(..., imports=, modules=)``).
 
-A cold start waits for its imports, not for its weights. ``TracedCodeReader`` reads the files an
-import trace lists (``importtrace``), or whole packages, with 8 hinted readers at normal priority
-(``readers.read_range``, best effort), lists their directories and stats their inodes on a
-thread beside them (``prefetch_metadata``), and then runs what was asked to follow (``then``: the
-weights' readers). It is started before anything heavy is imported: this module, ``readers`` and
-``importtrace`` import no numpy, so ``fs.prefetch``'s code readers are already fetching numpy's
-own files (they lead the trace) while the calling thread imports numpy to parse the checkpoint's
-headers.
+``TracedCodeReader`` reads an import trace's files, or whole packages, with 8 hinted readers,
+stats their directories and inodes beside them, then runs what follows (the weights' readers).
+Imports no numpy: the readers fetch numpy's own files while the caller imports it.
 """
 
 from __future__ import annotations
@@ -32,8 +27,7 @@ RESIDENT_SAMPLE = 32
 
 
 def sample_resident(paths: Sequence[str], k: int = RESIDENT_SAMPLE) -> bool:
-    """Whether ``k`` of ``paths``, spread evenly over the list, are all wholly in the page cache:
-    then the start is hot and the small code files need not be read again."""
+    """Whether ``k`` of ``paths``, spread over the list, are wholly in the page cache (a hot start)."""
     if not paths:
         return False
     step = max(1, len(paths) // k)
@@ -44,14 +38,9 @@ def sample_resident(paths: Sequence[str], k: int = RESIDENT_SAMPLE) -> bool:
 
 
 class TracedCodeReader:
-    """Reads the code files of the ``imports`` trace and of the ``modules`` packages on its own
-    threads, starting now.
-
-    ``wait()`` returns once they are read and their metadata prefetched (``PrefetchHandle.
-    wait_imports``); ``then(fn)`` runs ``fn`` when the reads are over (at once if they are);
-    ``cancel()`` stops the readers after their current piece. ``paths`` and ``nbytes``: what was
-    read; ``records``: the distributions' ``RECORD`` files among them
-    (``importtrace.prefetch_record_metadata``)."""
+    """Reads the code files of the ``imports`` trace and the ``modules`` packages on its own
+    threads, from now. ``wait()``: until read and their metadata prefetched; ``then(fn)``: ``fn``
+    once the reads are over; ``paths``, ``nbytes``, ``records``: what was read."""
 
     def __init__(self, modules: Sequence[str], imports: str | None, piece_bytes: int,
                  skip_resident: bool = True, advise_only: bool = False) -> None:

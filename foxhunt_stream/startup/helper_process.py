@@ -1,17 +1,12 @@
 """A prefetch's checkpoint reads in a child process (``prefetch(..., helper_process=True)``).
 
-Reader threads in the importing process take its GIL back after every ``sendfile`` call; on an
-H200 machine with 16 vCPU, cold, ``import transformers`` took 15-16 s beside them against 7.2-7.8 s
-after the same code prefetch with nothing streaming, while a stream in *another* process slowed
-a hot import by only 3-11%. ``ChildJob`` runs the same readers (``readers.PieceReaders``) on the
-same pieces in ``python -m foxhunt_stream.startup.helper_process``: its reads never touch this
-process's GIL.
+Reader threads in the importing process take its GIL back after every ``sendfile`` call (cold,
+``import transformers`` took 15-16 s beside them, 7.2-7.8 s without), so ``ChildJob`` runs the
+same readers on the same pieces in ``python -m foxhunt_stream.startup.helper_process``.
 
-The protocol, one line each way: the parent writes the job as JSON, then ``fast`` when a load of
-the files begins (big steps, no rate cap); closing the child's stdin stops it. The child writes
-``d i,j,...`` for the pieces it finished (in batches of about ``report_bytes``, so the parent's
-monitor thread wakes a few times a second) and ``e {json}`` for the error that stopped it.
-``ChildJob`` offers the part of ``pipeline.Job`` that ``PrefetchHandle`` uses.
+The protocol, one line each way: the parent writes the job as JSON, then ``fast`` when a load
+begins; closing the child's stdin stops it. The child writes ``d i,j,...`` for the pieces it
+finished (in batches of about ``report_bytes``) and ``e {json}`` for the error that stopped it.
 """
 
 from __future__ import annotations
@@ -49,10 +44,8 @@ def _error_from(record: dict) -> BaseException:
 
 
 class ChildJob:
-    """Reads ``pieces`` (``readers.Piece`` of ``paths``) into the page cache in a child process;
-    ``on_done(i, piece, None)`` runs here, on a monitor thread, for each piece the child reports.
-    ``step``, ``fast_step``, ``max_rate``, ``no_readahead``, ``copy``: as for
-    ``readers.PieceReaders``."""
+    """Reads ``pieces`` of ``paths`` into the page cache in a child process (the other options as
+    for ``readers.PieceReaders``); ``on_done(i, piece, None)`` runs on a monitor thread here."""
 
     def __init__(self, paths: Sequence[str], sizes: Sequence[int], pieces: Sequence[Any],
                  on_done: Callable[[int, Any, Any], None], threads: int, priority: str, step: int,
@@ -167,9 +160,8 @@ class ChildJob:
 
 
 def child_main(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> int:
-    """The child: read the job from ``stdin``, read its pieces into the page cache with
-    ``threads`` readers, report on ``stdout``; 0 when all were read (or the parent stopped it),
-    1 after an error (reported first)."""
+    """The child: the job from ``stdin``, its pieces read by ``threads`` readers, reports on
+    ``stdout``; 0 when all were read (or the parent stopped it), 1 after an error."""
     stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer
     spec = json.loads(stdin.readline())
@@ -202,8 +194,7 @@ def child_main(stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) ->
 
 
 def _follow_parent(stdin: BinaryIO, readers: PieceReaders, job: Job) -> None:
-    """The child's control thread: ``fast`` lifts the pace; the end of stdin (the parent
-    cancelled, or is gone) stops the readers after their current step."""
+    """The child's control thread: ``fast`` lifts the pace; the end of stdin stops the readers."""
     for line in stdin:
         if line.strip() == b"fast":
             readers.go_fast()

@@ -1,22 +1,10 @@
-"""The code a start reads, so that a prefetch can read it first on the next start.
+"""The code a start reads, so that a prefetch can read it first on the next start (docs/startup.md).
 
-A cold start spends most of its time importing torch and transformers from a disk that a
-prefetch of the weights is also reading: every read of the imports then waits behind the
-prefetch's queue. Reading the imports' own files first, in the order they are needed, makes the
-imports find them in memory. Two ways to know them:
-
-* ``module_files(packages)``: every shared library and bytecode file of the named packages
-  (found with ``importlib.util.find_spec``, which imports nothing) - coarse, GBs for torch;
-* an import trace: ``record_imports(path)`` at the end of one start writes what that process
-  actually loaded (``loaded_files``: bytecode in import order, the touched ranges of each shared
-  library, and, after ``watch_opens``, the other files and directories its Python code read);
-  ``read_trace(path)`` gives them back to the next start's ``prefetch(..., imports=path)``.
-
-Besides the files' bytes, the imports wait for directory listings and inodes: a prefetch lists
-and stats them ahead too (``prefetch_metadata``, ``prefetch_record_metadata``).
-
-Pure helpers (``order_loaded_files``, ``merge_ranges``, ``present_runs``, ``format_trace``,
-``parse_import_trace``) are tested without any I/O.
+Two ways to know it: ``module_files(packages)``, every shared library and bytecode file of the
+named packages (coarse: GBs for torch), or an import trace that ``record_imports(path)`` writes at
+the end of one start (``loaded_files``) and ``read_trace(path)`` gives back to the next start's
+``prefetch(..., imports=path)``. Directory listings and inodes are fetched ahead too
+(``prefetch_metadata``, ``prefetch_record_metadata``).
 """
 
 from __future__ import annotations
@@ -35,9 +23,7 @@ MODULE_SUFFIXES = (".so", ".pyc", ".pyd", ".dylib")
 def module_files(modules: Sequence[str]) -> list[tuple[str, int]]:
     """The files an import of each top-level package would read: its shared libraries and
     bytecode (``(path, size)``, packages in the order given, biggest files first within each).
-    Found with ``importlib.util.find_spec``, which imports nothing; unknown names are skipped.
-    For a cold start: reading torch's libraries (GBs) ahead of ``import torch`` in big reads is
-    faster than the import's own page faults, and keeps the checkpoint's reads off its path."""
+    Found with ``importlib.util.find_spec``, which imports nothing; unknown names are skipped."""
     import importlib.util
     import sys
     tag = sys.implementation.cache_tag or ""
@@ -128,8 +114,7 @@ def order_loaded_files(modules: Sequence[tuple[str | None, str | None]], mapped:
 
 
 def merge_ranges(ranges: Sequence[tuple[int, int]], gap: int = MERGE_GAP) -> list[tuple[int, int]]:
-    """Pure: ``(start, end)`` byte ranges sorted and merged where they overlap or lie less than
-    ``gap`` apart (one big read beats many small ones on a disk)."""
+    """Pure: ``(start, end)`` byte ranges sorted, merged where they overlap or lie under ``gap`` apart."""
     out: list[list[int]] = []
     for a, b in sorted(r for r in ranges if r[1] > r[0]):
         if out and a <= out[-1][1] + gap:
@@ -149,9 +134,8 @@ def present_runs(entries: np.ndarray) -> list[tuple[int, int]]:
 
 def mapped_libraries() -> dict[str, list[tuple[int, int]]]:
     """The shared objects mapped into this process and, per file, the byte ranges its code has
-    touched (pages present in this process's page tables, ``/proc/self/pagemap``): for torch's
-    CUDA libraries a fraction of each file, which a replay reads instead of the whole file.
-    A library whose pages cannot be inspected gets ``[]`` (read it whole); {} off Linux."""
+    touched (pages present in ``/proc/self/pagemap``), which a replay reads instead of the whole
+    file; ``[]`` where the pages cannot be inspected (read it whole); {} off Linux."""
     page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
     out: dict[str, list[tuple[int, int]]] = {}
     whole: set[str] = set()   # pages not inspectable: read the whole file
@@ -237,17 +221,14 @@ def unwatch_this_thread() -> None:
 
 
 def run_unwatched(fn, *args) -> None:
-    """``fn(*args)`` as the body of a foxhunt thread whose opens are not noted (the target of a
-    ``threading.Thread``)."""
+    """``fn(*args)`` as the body of a foxhunt thread whose opens are not noted."""
     unwatch_this_thread()
     fn(*args)
 
 
 def watch_opens() -> None:
     """From now on, note each file Python code opens for reading and each directory it lists
-    (an audit hook, PEP 578, installed once per process): a later ``record_imports`` then also
-    lists what the imports read besides their modules (package metadata, configs, directory
-    listings), in the order they read it. ``prefetch(..., imports=)`` calls this."""
+    (an audit hook, installed once per process), for ``record_imports``."""
     global _watching
     if _watching:
         return
@@ -279,12 +260,10 @@ def opened_files() -> tuple[list[str], list[str]]:
     return files, dirs
 
 
-def loaded_files(libraries: dict[str, list[tuple[int, int]]] | None = None,
-                 opened: list[str] | None = None) -> list[str]:
-    """The code files this process has loaded so far (bytecode, extension modules, shared
-    libraries) and, after ``watch_opens``, the other files its Python code read, in the order a
-    restart needs them (``order_loaded_files``). Record it once the server answers
-    (``record_imports``) and replay it with ``prefetch(..., imports=)``."""
+def loaded_files(libraries: dict[str, list[tuple[int, int]]], opened: list[str]) -> list[str]:
+    """The code files this process has loaded so far (its ``libraries``, bytecode, extension
+    modules) and the other files its Python code read (``opened``, in the order they were opened),
+    in the order a restart needs them (``order_loaded_files``)."""
     import sys
 
     def real(f) -> str | None:
@@ -294,11 +273,9 @@ def loaded_files(libraries: dict[str, list[tuple[int, int]]] | None = None,
             return os.path.realpath(f) if os.path.isfile(f) else None
         except (OSError, ValueError):
             return None
-    if opened is None:
-        opened = opened_files()[0]   # in the order they were opened (bytecode included)
     mods = [(f, None) for f in opened] + [(real(getattr(m, "__file__", None)), real(getattr(m, "__cached__", None)))
                                           for m in list(sys.modules.values())]
-    mapped = list(mapped_libraries() if libraries is None else libraries)   # not Linux: modules only
+    mapped = list(libraries)   # not Linux: modules only
     roots = [os.path.realpath(p) for p in sys.path if isinstance(p, str) and p and os.path.isdir(p)]
     return order_loaded_files(mods, mapped, roots)
 
@@ -316,28 +293,19 @@ def format_trace(files: Sequence[str], ranges: dict[str, list[tuple[int, int]]])
 
 
 def record_imports(path: str | os.PathLike) -> int:
-    """Write this process's ``loaded_files()`` to ``path`` (text, replaced atomically) for the
+    """Write this process's ``loaded_files`` to ``path`` (text, replaced atomically) for the
     next start's ``prefetch(..., imports=path)``; returns how many files it lists. Shared
     libraries are listed with the byte ranges this process touched (``mapped_libraries``).
 
     Call it once the model has answered (the first forward loads cuBLAS and friends too)."""
+    from ..io.sink import write_small   # numpy: a trace is recorded long after the prefetch
     libraries = mapped_libraries()
     opened, dirs = opened_files()
     files = loaded_files(libraries, opened)   # one look at the process: the two cannot disagree
     text = format_trace(files + [d + os.sep for d in dirs], libraries)
-    path = os.fspath(path)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    try:
-        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:   # any file name
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_small(path, text.encode("utf-8", "surrogateescape"), fsync=False)   # any file name
     return len(files)
 
 
@@ -366,9 +334,8 @@ CodeFile = tuple[str, list[tuple[int, int]]]   # a file and the (start, end) ran
 
 def read_trace(path: str | os.PathLike) -> tuple[list[CodeFile], list[str]]:
     """The files of a trace that still exist, with the ranges to read (clipped to the file's
-    size now), and the directories it lists (lines ending in a separator: only listed, see
-    ``prefetch_metadata``). A missing trace (the first start) lists nothing, and so does one that
-    cannot be read; lines that name no file (garbage, an embedded NUL) are skipped."""
+    size now), and the directories it lists (lines ending in a separator). A missing or
+    unreadable trace lists nothing; lines that name no file are skipped."""
     try:
         with open(path, encoding="utf-8", errors="surrogateescape") as f:   # names as os gives them
             listed = parse_import_trace(f.read())
@@ -394,14 +361,8 @@ def read_trace(path: str | os.PathLike) -> tuple[list[CodeFile], list[str]]:
     return out, dirs
 
 
-def trace_files(path: str | os.PathLike) -> list[CodeFile]:
-    """``read_trace``'s files only."""
-    return read_trace(path)[0]
-
-
 def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> tuple[list[CodeFile], list[str]]:
-    """What a prefetch reads before the checkpoint: the import trace's files in its order, then
-    the named packages' files not already listed (whole); and the trace's directories."""
+    """What a prefetch reads first: the trace's files, then the packages' others; the trace's directories."""
     out, dirs = read_trace(imports) if imports is not None else ([], [])
     if modules:
         listed = {p for p, _ in out}
@@ -410,10 +371,9 @@ def code_files(modules: Sequence[str], imports: str | os.PathLike | None) -> tup
 
 
 def prefetch_metadata(files: Sequence[str], dirs: Sequence[str] = (), stop=None) -> None:
-    """What an import touches besides the bytecode: the listing of each package directory (and
-    of ``dirs``, those the traced start listed) and the source file's ``stat`` (the bytecode is
-    checked against it). After ``drop_caches`` these are small random reads of directories and
-    inodes; done ahead, the import finds them cached. ``stop()`` true: return at once (cancel)."""
+    """What an import touches besides the bytecode, done ahead so that it finds them cached: the
+    listing of each package directory (and of ``dirs``) and the source file's ``stat`` (the
+    bytecode is checked against it). ``stop()`` true: return at once (cancel)."""
     listed: set[str] = set()
 
     def list_once(d: str) -> None:
@@ -444,7 +404,7 @@ def dist_records(files: Sequence[str]) -> list[str]:
     """The ``RECORD`` files of installed distributions among ``files``. ``importlib.metadata``'s
     ``Distribution.files`` reads one and then stats every file it lists (``packages_distributions()``
     does so for each distribution without a ``top_level.txt``; transformers calls it at import):
-    on an H200 machine with 16 vCPU, cold, ~1.2-5 s of ``import transformers`` waited for those inodes."""
+    cold, ~1.2-5 s of ``import transformers`` waited for those inodes."""
     return [p for p in files if os.path.basename(p) == "RECORD" and os.path.dirname(p).endswith(".dist-info")]
 
 
@@ -464,10 +424,9 @@ def record_paths(record: str, text: str) -> list[str]:
 
 
 def prefetch_record_metadata(records: Sequence[str], stop=None, threads: int = 4) -> int:
-    """``stat`` every file the ``records`` list (``dist_records``), with ``threads`` threads: the
-    inodes ``Distribution.files`` will look at are then cached. Returns how many were stat'ed;
-    ``stop()`` true: return soon (cancel). Best effort: missing files and unreadable RECORDs
-    are skipped."""
+    """``stat`` every file the ``records`` list (``dist_records``), with ``threads`` threads, so
+    the inodes ``Distribution.files`` looks at are cached; returns how many were stat'ed.
+    ``stop()`` true: return soon. Best effort: what is missing or unreadable is skipped."""
     paths: list[str] = []
     for r in records:
         try:

@@ -1,28 +1,12 @@
-"""Filling the page cache with a checkpoint before its load: ``prefetch``.
+"""Filling the page cache with a checkpoint before its load: ``prefetch`` (docs/startup.md).
 
-An inference server spends its first seconds importing torch and starting CUDA, while the disk
-sits idle. ``prefetch(source)`` needs neither torch nor cupy, so it can be the very first
-statement of the process: it reads the checkpoint's headers, then reader threads (a
-``pipeline.Job`` of ``readers.PieceReaders``) pull the selected bytes into the page cache -
-``sendfile`` into /dev/null, so nothing is copied and a reader takes the GIL back once per call,
-not once per small read - and a later load finds its bytes in memory. Files already resident are
-skipped. While a prefetch of a file is in flight the loader does not choose O_DIRECT for it
-(``pagecache.warming``), so the two read through the same cache instead of racing for the disk,
-and a load that starts lifts the prefetch's pacing (``pagecache.loading``).
-
-What decides a cold start is not the weights but the imports running meanwhile: each of their
-reads waits behind whatever the prefetch keeps queued on the disk. So the code the imports need
-is read first (``modules=`` packages, or an ``imports=`` trace of an earlier start: see
-``importtrace`` and ``code_files``), and the weights then follow (``priority="idle"``) with a
-shallow queue: files advised ``POSIX_FADV_RANDOM`` (no readahead: the kernel queues twice
-``read_ahead_kb`` per reader otherwise, whatever the step, see ``IDLE_READ_MODE``), 1 MiB per
-call, read by a helper process (``helper_process``) so that ~10^3 calls a second take none of
-this process's GIL; or at a set rate (``max_rate``). Either way until the load begins. On an H200
-machine with 16 vCPU, cold, a read of the imports waited 0.1-0.3 ms behind that queue against ~7 ms
-behind readahead. With an import trace and ``wait_imports()``, a cold start of
-``fs.transformers.from_pretrained`` took 0.83 s more than imports, CUDA and the empty model
-alone, against 12.95 s more for transformers' ``from_pretrained`` (``benchmarks/RESULTS.md``,
-startup).
+``prefetch(source)`` needs neither torch nor cupy, so it can be a server's first statement:
+readers (``readers.PieceReaders``) pull the selected bytes into the page cache, and a later load
+finds them there (the two meet through ``pagecache``). The code the imports need is read first
+(``code_files``), then the weights with a shallow queue until the load begins. With an import
+trace and ``wait_imports()``, a cold start of ``fs.transformers.from_pretrained`` took 0.83 s
+more than imports, CUDA and the empty model alone, against 12.95 s more for transformers'
+(``benchmarks/RESULTS.md``, startup).
 """
 
 from __future__ import annotations
@@ -43,7 +27,7 @@ from ..io.pagecache import resident_fraction
 from ..io.source import FileSource, open_source
 from .code_files import TracedCodeReader
 from .helper_process import ChildJob
-from .importtrace import prefetch_record_metadata, run_unwatched, watch_opens
+from .importtrace import merge_ranges, prefetch_record_metadata, run_unwatched, watch_opens
 from .readers import Pacer, Piece, PieceReaders
 
 if TYPE_CHECKING:
@@ -59,16 +43,10 @@ PRIORITIES = ("idle", "normal")
 DEFAULT_THREADS = 8    # readers when the caller names none (at most the loader's thread count)
 IDLE_THREADS = 8       # ... with priority="idle", in the helper process: 8 x 1 MiB queued at most
 IDLE_THREADS_IN_PROCESS = 2   # ... in this process (helper_process=False): each takes our GIL back per step
-# How idle readers read the checkpoint until a load of it begins (from then on: sendfile, and
-# the kernel's readahead):
-#   "sendfile-readahead"     sendfile; the kernel's readahead behind it keeps up to twice
-#                            read_ahead_kb queued on the disk per reader, whatever the step;
-#   "sendfile-no-readahead"  sendfile, the files advised POSIX_FADV_RANDOM: each reader has about
-#                            one step queued;
-#   "pread-no-readahead"     the same, each step read through a buffer (a copy) instead.
-# On an H200 machine with 16 vCPU, a cold start with an import trace and the helper process took
-# 15.8-16.2 s with "sendfile-no-readahead" against 20.0-25.4 s with "sendfile-readahead"
-# (benchmarks/RESULTS.md, startup).
+# How idle readers read the checkpoint until a load of it begins: sendfile with the kernel's
+# readahead (up to twice read_ahead_kb queued per reader), sendfile with the files advised
+# POSIX_FADV_RANDOM (one step queued), or the same through a buffer. A cold start with an import
+# trace took 15.8-16.2 s with "sendfile-no-readahead" against 20.0-25.4 s with readahead (H200).
 IDLE_READ_MODE = "sendfile-no-readahead"
 IDLE_READ_MODES = ("sendfile-readahead", "sendfile-no-readahead", "pread-no-readahead")
 
@@ -78,20 +56,8 @@ def plan_pieces(spans: Sequence[Sequence[tuple[int, int]]], piece_bytes: int) ->
     ``piece_bytes``, ordered by file then offset (the order a load reads in)."""
     if piece_bytes <= 0:
         raise ValueError("piece size must be positive")
-    out: list[Piece] = []
-    for f, file_spans in enumerate(spans):
-        merged: list[list[int]] = []
-        for start, end in sorted(file_spans):
-            if end <= start:
-                continue
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        for start, end in merged:
-            for off in range(start, end, piece_bytes):
-                out.append(Piece(f, off, min(piece_bytes, end - off)))
-    return out
+    return [Piece(f, off, min(piece_bytes, end - off)) for f, file_spans in enumerate(spans)
+            for start, end in merge_ranges(file_spans, gap=0) for off in range(start, end, piece_bytes)]
 
 
 def _spans(ck: Checkpoint, chosen: list[str], whole_files: bool) -> list[list[tuple[int, int]]]:
@@ -123,9 +89,8 @@ def _name_pieces(ck: Checkpoint, chosen: list[str], pieces: list[Piece]) -> dict
 
 
 class PrefetchHandle:
-    """A prefetch in flight. ``wait()`` blocks until every piece is read (``wait(name)``: only
-    that tensor's bytes) and re-raises a reader's error; ``done()`` polls; ``cancel()`` stops the
-    readers and joins them."""
+    """A prefetch in flight: ``wait()`` / ``wait(name)`` (re-raising a reader's error),
+    ``done()``, ``cancel()`` (stops the readers and joins them)."""
 
     def __init__(self, ck: Checkpoint, pieces: list[Piece], sources: dict[int, FileSource],
                  name_pieces: dict[str, tuple[int, int]], threads: int, method: str,
@@ -136,8 +101,6 @@ class PrefetchHandle:
         self.pieces = pieces
         self.nbytes = sum(p.length for p in pieces)
         self.priority = priority
-        self.started = time.perf_counter()
-        self.finished: float | None = None
         self._code = code   # the code files, read first (started by prefetch before this handle)
         self._real_paths = {os.path.realpath(p) for p in ck.paths if p not in self.skipped}
         self._sources = sources
@@ -164,7 +127,6 @@ class PrefetchHandle:
             self._job = self._threads_job()
         if not pieces:
             self._closer()
-            self.finished = self.started
         pagecache.register_prefetch(self)   # a load of these files reads through the cache, and unpaces us
         self._records_thread: threading.Thread | None = None    # prefetch_record_metadata here, not waited for
         if code is None:
@@ -196,20 +158,16 @@ class PrefetchHandle:
         return self._bytes_done
 
     def _first_step(self) -> int:
-        """Bytes per read until a load of the files begins. Idle or paced readers take small
-        steps: the kernel's readahead behind one 64 MiB ``sendfile`` keeps the disk's queue full,
-        and every read the imports still do waits behind it (on an H200 machine with 16 vCPU, cold:
-        ``import transformers`` 16.3 s instead of 9.5 s with 4 MiB steps)."""
+        """Bytes per read until a load of the files begins: small for idle or paced readers (cold,
+        ``import transformers`` took 16.3 s beside 64 MiB steps, 9.5 s beside 4 MiB ones)."""
         if self.priority != "idle" and self._max_rate is None:
             return FAST_BYTES
         return IDLE_STEP if self._helper and self._no_readahead else PACED_BYTES
 
     def _threads_job(self) -> Job:
-        """The checkpoint's readers as threads of this process. Each piece gets a ``WILLNEED``
-        hint (the kernel queues the whole piece at once), but not at idle priority: on an H200
-        machine (16 vCPU), 4 readers' 8 MiB hints kept ~32 MiB queued on the disk ahead of every
-        page fault of the imports running meanwhile, and ``import transformers`` took 21.7 s cold
-        instead of 9.6 s; 1 MiB reads from 2 readers queue ~2 MiB."""
+        """The checkpoint's readers as threads of this process, each piece hinted ``WILLNEED``
+        but not at idle priority (4 readers' 8 MiB hints made a cold ``import transformers`` take
+        21.7 s instead of 9.6 s)."""
         readers = PieceReaders(self._sources, lambda: self._job.cancelled(), step=self._first_step(),
                                fast_step=FAST_BYTES, idle=self.priority == "idle",
                                hint=self._method == "advise" or self.priority != "idle",
@@ -268,7 +226,6 @@ class PrefetchHandle:
             last = self._remaining == 0
             self._cond.notify_all()
         if last:
-            self.finished = time.perf_counter()
             self._closer()
 
     def done(self) -> bool:
@@ -280,8 +237,7 @@ class PrefetchHandle:
             return self._job.done()
 
     def _wait_job(self, timeout: float | None = None) -> None:
-        """The readers' job's wait(); where a helper that could not start was replaced by threads
-        meanwhile (_start_job), the threads' job's."""
+        """The readers' job's wait(), or that of the threads that replaced a helper meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             job = self._job
@@ -297,11 +253,8 @@ class PrefetchHandle:
                     return
 
     def wait(self, name: str | None = None, timeout: float | None = None) -> None:
-        """Block until the prefetch (or only tensor ``name``'s bytes) is in the page cache.
-
-        Re-raises the first reader error (``fs.CancelledError`` after ``cancel``); TimeoutError
-        if ``timeout`` seconds pass first.
-        """
+        """Block until the prefetch (or only tensor ``name``'s bytes) is in the page cache;
+        re-raises the first reader error (``fs.CancelledError`` after ``cancel``)."""
         if name is None:
             deadline = None if timeout is None else time.monotonic() + timeout
             self._wait_job(timeout)
@@ -329,17 +282,13 @@ class PrefetchHandle:
             raise RuntimeError(f"prefetch ended before {name!r} was read")
 
     def wait_imports(self, timeout: float | None = None) -> None:
-        """Block until the code files (``imports=`` / ``modules=``) are read and their metadata
-        prefetched; the checkpoint's bytes go on in the background. A start that imports after
-        this imports from memory: on an H200 machine with 16 vCPU, cold, ``import torch,
-        transformers`` took 12.9-13.5 s this way against 16.3-18.4 s with nothing read ahead and
-        11.7 s hot (``benchmarks/cold_imports.py``). Returns at once when there were no code files."""
+        """Block until the code files are read and their metadata prefetched (cold, ``import torch,
+        transformers`` then took 12.9-13.5 s against 16.3-18.4 s with nothing read ahead)."""
         if self._code is not None:
             self._code.wait(timeout)
 
     def unthrottle(self) -> None:
-        """Drop ``max_rate`` and the idle pace: read the rest as fast as the disk goes (a load of
-        the files began)."""
+        """Drop ``max_rate`` and the idle pace: a load of the files began."""
         self._loading = True
         if self._readers is not None:
             self._readers.go_fast()
@@ -348,8 +297,7 @@ class PrefetchHandle:
             job.fast()
 
     def cancel(self) -> None:
-        """Stop the readers and close the files: each reader finishes at most its current call
-        (a 1-64 MiB step of the checkpoint, or one piece of a code file)."""
+        """Stop the readers (each after at most its current call) and close the files."""
         if self._readers is not None:
             self._readers.pacer.release()
         self._job.cancel()
@@ -380,33 +328,17 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     """Start filling the page cache with a checkpoint's bytes; returns at once with a handle.
 
     ``source`` and ``names`` are as in ``load_file`` (``names=None``: whole files). ``method``:
-    ``"read"`` (read each piece: done() means resident) or ``"advise"`` (``posix_fadvise
-    (WILLNEED)`` only: no reads, but the kernel may still be reading after done()). Files already
-    fully resident are skipped (``skip_resident``), and so are the files a load would read around
-    the page cache, which would not stay in it (``io.read_policy``; listed in ``skipped``).
-    Options as for the loader: ``threads``
-    (readers; default the loader's count, at most 8), ``chunk_bytes`` (the piece each reader
-    takes at a time). ``priority``: ``"idle"`` (the startup case: the readers' I/O in the idle
-    class, ``set_idle_io_priority``; their files' readahead off, ``IDLE_READ_MODE``; 8 readers of
-    1 MiB per call in the helper process, or 2 of 4 MiB here: at most ~8 MiB queued on the disk
-    ahead of an import's read - on an H200 machine it waited 0.2-0.3 ms there, against 6-8 ms
-    behind readahead - until a load of the files begins) or ``"normal"`` (8 readers, each piece
-    hinted, 64 MiB per call: fill the cache as fast as the disk goes).
-    ``modules``: top-level packages the process is about to import (``("torch", "nvidia",
-    "transformers")``), whose libraries and bytecode are read first (``module_files``).
-    ``imports``: a trace written by ``fs.record_imports`` at an earlier start: exactly the files
-    that start loaded (and the touched parts of each shared library), read first in the order
-    they were needed, by 8 hinted readers at normal priority (on a hot start - a sample of them
-    resident - only the big ones still missing); a missing trace (the first start) reads nothing
-    extra. Passing it also starts noting what this start opens (``watch_opens``) for the next
-    trace. ``max_rate``: at most this many bytes per second of the checkpoint (not of the code
-    files), until a load of its files starts or ``unthrottle()``. ``helper_process``: the
-    checkpoint's bytes are read by a child process (``python -m
-    foxhunt_stream.startup.helper_process``, same readers, steps and pacing) so that its reads
-    never take this process's GIL from the imports; the code files are still read here first.
-    Default (None): yes for ``priority="idle"`` with ``method="read"``. The distributions'
-    ``RECORD`` files in a trace have the files they list stat'ed beside the imports
-    (``prefetch_record_metadata``), there or on a thread here. Needs neither torch nor cupy.
+    ``"read"`` (done() means resident) or ``"advise"`` (``posix_fadvise(WILLNEED)`` only). Files
+    already resident are skipped (``skip_resident``), and so are those a load would read around
+    the page cache (``io.read_policy``; listed in ``skipped``). Options as for the loader:
+    ``threads`` (readers; default the loader's count, at most 8), ``chunk_bytes`` (a piece).
+    ``priority``: ``"idle"`` (idle I/O class, readahead off, small steps until a load begins) or
+    ``"normal"`` (8 hinted readers of 64 MiB per call). ``modules``: packages about to be
+    imported, whose files are read first; ``imports``: a trace written by ``fs.record_imports``,
+    its files read first (a missing one reads nothing extra), and this start's opens noted for
+    the next. ``max_rate``: bytes per second of the checkpoint until a load begins or
+    ``unthrottle()``. ``helper_process``: the checkpoint read by a child process (default: with
+    ``priority="idle"`` and ``method="read"``). Needs neither torch nor cupy (docs/startup.md).
     """
     helper_process = _check_arguments(method, priority, max_rate, helper_process, modules)
     s = _settings.merge(**options)
@@ -432,8 +364,7 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
 
 def _check_arguments(method: str, priority: str, max_rate: float | None, helper_process: bool | None,
                      modules: Sequence[str]) -> bool:
-    """ValueError / TypeError for a bad argument, before any file is opened; returns whether a
-    helper process reads the checkpoint."""
+    """ValueError / TypeError for a bad argument; returns whether a helper process reads."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if priority not in PRIORITIES:

@@ -1,16 +1,10 @@
 """The page-cache reader: how every read of ``startup/`` brings a file's bytes into memory.
 
-One loop, ``read_range``, serves the three readers of a start: the checkpoint's reader threads
-in this process and in the helper process (both through ``PieceReaders``, the work of a
-``pipeline.Job``), and the readers of the code files an import trace lists (``code_files``).
-Each step of a range is one ``FileSource.fill_cache`` call: ``sendfile`` into /dev/null where it
-works (no copy, and the GIL is released for the whole step), else ``pread`` into a scratch
-buffer. What differs between the callers is a parameter: the step (small while the imports run,
-big once a load begins), a ``Pacer`` (``max_rate``), cancellation, a ``WILLNEED`` hint per
-range, and whether a failed read is an error (the checkpoint) or ends the range quietly (a code
-file: the import reads its own files and reports its own errors).
-
-This module imports no numpy: the code readers start before the caller has imported it.
+One loop, ``read_range``, serves the checkpoint's readers (``PieceReaders``, in this process or
+the helper process) and the code files' (``code_files``): each step is one
+``FileSource.fill_cache`` call (``sendfile`` into /dev/null, else ``pread`` into a scratch
+buffer); the callers differ only in its parameters. Imports no numpy: the code readers start
+before the caller has imported it.
 """
 
 from __future__ import annotations
@@ -35,8 +29,7 @@ _IOPRIO_WHO_PROCESS, _IOPRIO_CLASS_IDLE, _IOPRIO_CLASS_SHIFT = 1, 3, 13
 
 
 class Piece(NamedTuple):
-    """One unit of a reader's work: ``length`` bytes at ``offset`` of file number ``file`` (a
-    checkpoint file of a prefetch, or a code file of ``code_files.TracedCodeReader``)."""
+    """One unit of a reader's work: ``length`` bytes at ``offset`` of file number ``file``."""
     file: int
     offset: int
     length: int
@@ -61,9 +54,8 @@ def _ioprio(table: dict[str, int], *args: int) -> int | None:
 
 
 def set_idle_io_priority() -> bool:
-    """Put the calling thread's disk reads in the idle I/O class (Linux ``ioprio_set``): the block
-    layer's scheduler (mq-deadline, BFQ) serves them only when nobody else's reads wait, so a
-    prefetch does not slow the imports it overlaps. Best effort: False where unsupported."""
+    """Put the calling thread's disk reads in the idle I/O class (served only when nobody else's
+    reads wait, so a prefetch does not slow the imports); False where unsupported."""
     return set_io_priority(_IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT)
 
 
@@ -79,8 +71,7 @@ def set_io_priority(value: int) -> bool:
 
 
 class Pacer:
-    """Spaces reads so that together they take at most ``rate`` bytes per second, until
-    ``release()``; ``take(n)`` blocks the calling reader until its ``n`` bytes are due."""
+    """Spaces reads to at most ``rate`` bytes per second until ``release()``: ``take(n)`` blocks."""
 
     def __init__(self, rate: float | None, clock=time.monotonic) -> None:
         if rate is not None and (isinstance(rate, bool) or not rate > 0):
@@ -112,14 +103,12 @@ class Pacer:
 
 
 def scratch_buffer(nbytes: int = READ_BYTES) -> memoryview:
-    """A writable buffer for the reads ``sendfile`` cannot do: an anonymous mapping, so its pages
-    are only allocated where a read uses them (and no numpy is needed)."""
+    """A writable buffer for the reads ``sendfile`` cannot do: an anonymous mapping (pages on use)."""
     return memoryview(mmap.mmap(-1, nbytes))
 
 
 def advise_all(sources: Iterable[FileSource], advice: str) -> None:
-    """``posix_fadvise(advice)`` on the whole of every source (a hint: where it is refused,
-    nothing changes)."""
+    """``posix_fadvise(advice)`` on the whole of every source (a hint)."""
     for src in sources:
         advise(src.fd, advice)
 
@@ -133,19 +122,11 @@ def read_range(src: FileSource, offset: int, length: int, scratch: memoryview, *
                cancelled: Callable[[], bool] = _never, copy: Callable[[], bool] = _never,
                hint: bool = False, hint_only: bool = False, best_effort: bool = False,
                count: bool = True) -> bool:
-    """Bring ``[offset, offset + length)`` of ``src`` into the page cache, one
-    ``src.fill_cache`` call per ``step()`` bytes (asked again before each step: it grows once a
-    load begins; None: the whole range at once), each step first cleared by ``pacer``.
-
-    ``cancelled()`` is asked before the hint, before every step and after the pacer lets it
-    through: True stops the range and
-    the call returns False (a reader finishes at most the step it is in). ``copy()``: this step
-    through ``scratch`` instead of ``sendfile``. ``hint``: ``posix_fadvise(WILLNEED)`` for the
-    whole range first (the kernel queues all of it at once); ``hint_only``: that and nothing
-    more. ``best_effort``: a failed or short read ends the range quietly instead of raising
-    (OSError, FormatError "file-truncated"). ``count=False``: not a checkpoint's bytes, not
-    counted as read (``FileSource.fill_cache``). Returns True when the range was done (or given
-    up on, ``best_effort``)."""
+    """Bring ``[offset, offset + length)`` of ``src`` into the page cache, one ``fill_cache`` call
+    per ``step()`` bytes (None: the whole range), each cleared by ``pacer``; ``cancelled()`` true
+    at any step: stop, return False. ``copy()``: this step through ``scratch``. ``hint``: a
+    ``WILLNEED`` hint first (``hint_only``: nothing more). ``best_effort``: a failed read ends the
+    range quietly. ``count=False``: not counted as read. True when the range was done."""
     if cancelled():
         return False
     if hint or hint_only:
@@ -171,16 +152,11 @@ def read_range(src: FileSource, offset: int, length: int, scratch: memoryview, *
 
 
 class PieceReaders:
-    """What a prefetch's reader threads do with its checkpoint's pieces: the ``setup`` and
-    ``work`` of a ``pipeline.Job``, in this process or in the helper process.
-
-    Until ``go_fast()`` (a load of the files began) the readers take ``step``-byte steps, paced
-    at ``max_rate``; with ``no_readahead`` their files are advised ``POSIX_FADV_RANDOM`` (the
-    kernel then queues about one step per reader instead of twice ``read_ahead_kb``), and with
-    ``copy`` each step is read through a buffer instead of ``sendfile``. After ``go_fast()``:
-    ``fast_step``-byte steps, no pacing, the kernel's readahead. ``idle``: each reader's I/O in
-    the idle class (``set_idle_io_priority``). ``hint``: a ``WILLNEED`` hint per piece;
-    ``hint_only``: nothing more (``prefetch(method="advise")``). ``cancelled()``: the job's."""
+    """A prefetch's readers of its checkpoint's pieces: the ``setup`` and ``work`` of a
+    ``pipeline.Job``, here or in the helper process. Until ``go_fast()`` (a load began):
+    ``step``-byte steps paced at ``max_rate``, readahead off with ``no_readahead``, each step
+    through a buffer with ``copy``; after it, ``fast_step``-byte steps, no pacing, readahead.
+    ``idle``: the idle I/O class. ``hint``: a ``WILLNEED`` hint per piece (``hint_only``: only)."""
 
     def __init__(self, sources: Mapping[int, FileSource], cancelled: Callable[[], bool], *, step: int,
                  fast_step: int, idle: bool, hint: bool, hint_only: bool = False, no_readahead: bool = False,
@@ -223,8 +199,7 @@ class PieceReaders:
             self._scratch[worker] = scratch_buffer(max(READ_BYTES, self._step) if self._copy else READ_BYTES)
 
     def teardown(self, worker: int) -> None:
-        """The worker thread goes back to the pool (``engine.workers``) at the I/O priority it came
-        with: the next job it serves may be a load."""
+        """The worker goes back to the pool at the I/O priority it came with (its next job may be a load)."""
         previous = self._io_priority.pop(worker, None)
         if previous is not None:
             set_io_priority(previous)

@@ -1,9 +1,6 @@
-"""Paying a load's first-use costs before the load: ``warmup``.
-
-The first load on a GPU also imports the CUDA runtime wrapper, creates the CUDA context, pins
-its staging pool and creates its streams; ``warmup(device)`` does those now (on a thread with
-``background=True``, beside whatever the caller does next, such as building the model) and says
-how long each took. The page cache is another matter: see ``prefetch``.
+"""Paying a load's first-use costs before the load (``warmup``): the CUDA runtime's import, the
+context, the pinned staging pool and the streams, now or on a thread beside the caller's next
+steps. The page cache is ``prefetch``'s business.
 """
 
 from __future__ import annotations
@@ -37,14 +34,10 @@ def warmup(device="cuda:0", *, background: bool = False, verify: bool = False,
            **options) -> dict[str, float] | WarmupHandle:
     """Pay a load's first-use costs now; returns the seconds each step took.
 
-    For a GPU: importing the CUDA runtime wrapper (``cuda.runtime``), creating the CUDA context,
-    allocating the pinned staging pool (sized by ``chunk_bytes``/``staging_bytes``, and reused
-    by every later load and save with the same settings) and one stream per worker thread. For
-    ``"cpu"``: the host scratch pool. With ``background=True`` it runs on a thread and a
-    WarmupHandle is returned at once, so the work overlaps whatever the caller does next
-    (building the model); a load that starts before it is done waits for the pinned pool instead
-    of allocating a second one. ``verify=True`` also builds the GPU checksum kernel that
-    ``load_file(..., verify=True)`` uses (an NVRTC compile).
+    For a GPU: the CUDA runtime's import, the context, the pinned staging pool (reused by later
+    loads and saves) and one stream per worker; for ``"cpu"``: the host scratch pool.
+    ``background=True``: on a thread, a WarmupHandle returned at once. ``verify=True`` also
+    builds the GPU checksum kernel (an NVRTC compile).
     """
     from ..cuda.devices import parse_device
 

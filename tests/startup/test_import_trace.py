@@ -23,7 +23,7 @@ from foxhunt_stream.startup.importtrace import (
     order_loaded_files,
     parse_import_trace,
     present_runs,
-    trace_files,
+    read_trace,
 )
 
 SP = os.path.join(os.sep, "py", "site-packages")
@@ -118,8 +118,8 @@ def test_trace_files_skips_what_is_gone_and_a_missing_trace_lists_nothing(tmp_pa
     trace = tmp_path / "t.txt"
     trace.write_text(f"{itrace.TRACE_HEADER}\n{tmp_path / 'gone.so'}\n{a}\n{tmp_path / 'empty.pyc'}\n"
                      f"{a}\t10+20,90+50,200+10\n")   # ranges clipped to the file as it is now
-    assert trace_files(trace) == [(str(a), [(0, 100)]), (str(a), [(10, 30), (90, 100)])]
-    assert trace_files(tmp_path / "no-trace-yet.txt") == []
+    assert read_trace(trace)[0] == [(str(a), [(0, 100)]), (str(a), [(10, 30), (90, 100)])]
+    assert read_trace(tmp_path / "no-trace-yet.txt")[0] == []
 
 
 def test_record_imports_lists_this_process_code_in_import_order(tmp_path):

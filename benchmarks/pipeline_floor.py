@@ -35,6 +35,7 @@ import numpy as np
 from foxhunt_stream import settings as _settings
 from foxhunt_stream.cuda.devices import parse_device
 from foxhunt_stream.engine import loader, workers
+from foxhunt_stream.format.plan import members
 from foxhunt_stream.format.tp import indices_for
 from foxhunt_stream.io.checkpoint import open_checkpoint, select
 
@@ -71,7 +72,8 @@ class Floor:
             starts.append(total)
             total += d.nbytes
         self.nbytes = total
-        self.chunks = [(c.file, c.run.src, c.run.width, starts[c.dest] + c.run.dst) for c in plan.chunks]
+        # a shared chunk's tensors lie back to back here as in the file: one copy at the first one's place
+        self.chunks = [(c.file, c.run.src, c.run.width, starts[members(c.dest)[0]] + c.run.dst) for c in plan.chunks]
         self.paths = list(ck.paths)
         self.fds = [os.open(p, os.O_RDONLY) for p in ck.paths]
         n = threads * slots

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from ..cuda.devices import Device, cupy
+from ..cuda.devices import CPU, Device, cupy
 from ..format.dtypes import DType, from_numpy, from_torch, host_shape
 from ..errors import DeviceError, DeviceOutOfMemoryError, OptionError
 
@@ -21,6 +21,9 @@ class Buffer(NamedTuple):
     nbytes: int
     host: np.ndarray | None = None   # uint8, contiguous (cpu)
     ptr: int = 0                      # device address (cuda)
+
+
+_new = tuple.__new__
 
 
 class Framework(Protocol):
@@ -65,9 +68,10 @@ class NumpyFramework:
         return np.dtype(np.uint8) if dtype.sub_byte else np.dtype(dtype.numpy)
 
     def new(self, dtype: DType, shape, device: Device, tensor: str = "") -> tuple[np.ndarray, Buffer]:
-        """A new array and its Buffer (a load's destination)."""
+        """A new array and its Buffer (a load's destination: one per tensor, made whole)."""
         arr = self.empty(dtype, shape, device, tensor)
-        return arr, self.buffer(arr)
+        flat = arr if arr.ndim == 1 else arr.reshape(-1)
+        return arr, _new(Buffer, (CPU, arr.nbytes, flat.view(np.uint8), 0))   # Buffer(...), without its __new__
 
     def settle(self, device: Device) -> None:
         """Host arrays: nothing is queued."""
@@ -76,7 +80,7 @@ class NumpyFramework:
         return isinstance(x, np.ndarray)
 
     def buffer(self, arr: np.ndarray) -> Buffer:
-        return Buffer(Device("cpu"), arr.nbytes, host=_host_bytes(arr))
+        return Buffer(CPU, arr.nbytes, host=_host_bytes(arr))
 
     def describe(self, arr) -> tuple[DType | None, tuple[int, ...], Device]:
         return _format_dtype(from_numpy, arr.dtype), tuple(arr.shape), Device("cpu")

@@ -21,7 +21,7 @@ class LoadHandle:
 
     def __init__(self, load: LoadInFlight, names: list[str]) -> None:
         self._load, self._names = load, names
-        self._pos = {n: i for i, n in enumerate(names)}
+        self._pos: dict[str, int] | None = None   # name -> destination, made on the first wait(name)
         self._result: dict | None = None
 
     @property
@@ -42,8 +42,11 @@ class LoadHandle:
 
     def wait(self, name: str) -> Any:
         """The array of tensor ``name``, once it has landed (the rest of the load goes on)."""
-        self._load.wait_dest(self._pos[name])
-        return self._load.dests.array(self._pos[name])
+        if self._pos is None:
+            self._pos = {n: i for i, n in enumerate(self._names)}
+        d = self._pos[name]
+        self._load.wait_dest(d)
+        return self._load.dests.array(d)
 
     def done(self) -> bool:
         return self._load.job.done()

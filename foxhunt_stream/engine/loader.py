@@ -19,6 +19,7 @@ from .. import collector, settings as _settings
 from ..cuda.devices import CPU, Device, check_device
 from ..errors import FormatError, StoreMismatchError
 from ..format.dtypes import host_shape
+from ..format.header import collection_paused
 from ..format.plan import LoadPlan, Selection, plan_load, span_bytes
 from ..format.tp import TPSlice, indices_for, shard_shape
 from ..io import pagecache
@@ -47,9 +48,12 @@ def selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | No
     """One Selection per name (with its index into the tensor, for slices), in the given order."""
     starts = [h.data_start for h in ck.headers]
     entries = ck.names
-    if not indices:
-        return [Selection(f, starts[f], info) for f, info in (entries[n] for n in names)]
+    if not indices:   # Selection(...) without its Python-level __new__: one per tensor of a load
+        return [_new(Selection, (f, starts[f], info, None, None)) for f, info in map(entries.__getitem__, names)]
     return [Selection(f, starts[f], info, indices.get(n)) for n in names for f, info in (entries[n],)]
+
+
+_new = tuple.__new__
 
 
 class Prepared(NamedTuple):
@@ -87,11 +91,11 @@ def prepare(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, device
         if order == "whole":
             order = "selection"   # tensors are checked as they land, in plan order
     if policies is None:
-        strided = {sel.file for sel in sels if isinstance(sel.index, tuple) and len(sel.index) > 1}
+        strided = {f for f, _, _, index, _ in sels if isinstance(index, tuple) and len(index) > 1}
         with _gone_is_replaced():
             policies = read_policies(ck.paths, lambda: span_bytes(sels, len(ck.paths)), strided,
                                      [h.file_size for h in ck.headers], s, streams=order == "whole")
-    gpu = any(dev.is_cuda for dev in per)
+    gpu = devices.is_cuda if isinstance(devices, Device) else any(dev.is_cuda for dev in per)
     plan = plan_load(sels, s.chunk_bytes, verifier.granule if verifier is not None else 1, files=policies or (),
                      read_bytes=s.read_cut if gpu else None, order=order, devices=per)
     return Prepared(plan, s, list(policies or ()), verifier)
@@ -153,6 +157,7 @@ def reopen_if_replaced(fn):
 
 
 @reopen_if_replaced
+@collection_paused()   # see there; resumed once the load's own objects are freed, only its result left
 def load_file(source, device: Any = "cpu", framework: str | None = None, names: Names = None, *,
               background: bool = False, shard: TPSlice | None = None, verify: bool = False,
               progress: bool | None = None, device_map: Mapping[str, Any] | None = None,
@@ -185,6 +190,7 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
 
 
 @reopen_if_replaced
+@collection_paused()
 def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, shard: TPSlice | None = None,
               verify: bool = False, names: Names = None, progress: bool | None = None,
               **options) -> dict[str, str]:

@@ -13,7 +13,7 @@ the saver's direction (device bytes -> pinned memory, for writing).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -88,6 +88,22 @@ class HostTarget:
         slot = pool.acquire()
         try:
             copy_2d(read_inspected(source, run.src, run.span, slot.array, inspect), run, buf.host)
+        finally:
+            pool.release(slot)
+        return None
+
+    def land_packed(self, worker: int, source: FileSource, run: Run, buffers: Callable[[], Iterable[Buffer]]):
+        """Read a span holding whole tensors back to back (``run``, of height 1) into a scratch
+        slot and copy each out to its destination, ``buffers()`` in file order; returns None."""
+        pool = self.pool()
+        slot = pool.acquire()
+        try:
+            view = source.read_span(run.src, run.width, slot.array)
+            pos = 0
+            for buf in buffers():
+                end = pos + buf.nbytes
+                buf.host[:] = view[pos:end]
+                pos = end
         finally:
             pool.release(slot)
         return None
@@ -176,18 +192,10 @@ class CudaTarget:
         destination's allocation (on a GPU: the framework allocator, under the GIL) overlaps the
         read instead of preceding it."""
         rt = self._rt
-        ring = self._rings.get(worker)
-        if ring is None:
-            ring = self._ring(worker)
-        k = ring.next
-        ring.next = (k + 1) % len(ring.slots)
+        ring, k = self._next_slot(worker)
         event = ring.events[k]
-        if ring.pending[k]:
-            rt.eventSynchronize(event.ptr)   # the slot's previous copy must be done before we overwrite it
-            ring.pending[k] = False
         slot = ring.slots[k]
         src = ring.ptrs[k]
-        ring.pending[k] = True   # from here on a copy may be in flight: the slot goes back with its event
         if run.height > 1 and source.gather(run, slot.array):    # mapped source: rows packed
             if callable(buf):
                 buf = buf()
@@ -208,6 +216,35 @@ class CudaTarget:
                                  H2D, ring.stream_ptr)
         self._record(ring, k)
         return event
+
+    def land_packed(self, worker: int, source: FileSource, run: Run, buffers: Callable[[], Iterable[Buffer]]):
+        """``land`` for a span holding whole tensors back to back (``run``, of height 1): one read
+        into the worker's next slot, then one copy per tensor, ``buffers()`` in file order."""
+        ring, k = self._next_slot(worker)
+        view = source.read_span(run.src, run.width, ring.slots[k].array)
+        src = view.ctypes.data
+        memcpy, stream = self._rt.memcpyAsync, ring.stream_ptr
+        try:
+            for buf in buffers():
+                memcpy(buf.ptr, src, buf.nbytes, H2D, stream)
+                src += buf.nbytes
+        finally:   # the event stands for the copies queued, even if a later allocation failed
+            self._record(ring, k)
+        return ring.events[k]
+
+    def _next_slot(self, worker: int) -> tuple[_Ring, int]:
+        """The worker's ring and its next slot, whose previous copy is done; from here on a copy
+        may be in flight (the slot goes back with its event)."""
+        ring = self._rings.get(worker)
+        if ring is None:
+            ring = self._ring(worker)
+        k = ring.next
+        ring.next = (k + 1) % len(ring.slots)
+        if ring.pending[k]:
+            # the slot's previous copy must be done before we overwrite it
+            self._rt.eventSynchronize(ring.events[k].ptr)
+        ring.pending[k] = True
+        return ring, k
 
     def _record(self, ring: _Ring, k: int) -> None:
         """Record slot ``k``'s event after the copy just queued from it on the ring's stream."""

@@ -36,6 +36,9 @@ class Run(NamedTuple):   # a tuple, not a frozen dataclass: a plan makes hundred
         return self.width * self.height
 
 
+_new = tuple.__new__   # Run(...) without its Python-level __new__
+
+
 def normalize_index(index, shape: Sequence[int]) -> list[int | tuple[int, int, int]]:
     """numpy basic indexing, reduced to one item per dimension.
 
@@ -114,6 +117,9 @@ def out_of_bounds(index: tuple, shape: Sequence[int], dim: int, k: int) -> Slice
 
 def slice_runs(info: TensorInfo, data_start: int, index=None) -> tuple[tuple[int, ...], list[Run]]:
     """The result shape and the 2-D runs that read ``tensor[index]`` into a packed array."""
+    if index is None:   # a whole tensor: one run (a load of a million tiny tensors makes one each)
+        n = info.end - info.start
+        return info.shape, ([_new(Run, (data_start + info.start, n, n, 1, 0))] if n else [])
     if type(index) is tuple and 0 < len(index) <= 2:
         fast = shard_run(info, data_start, index)
         if fast is not None:
@@ -196,15 +202,15 @@ def _outer_runs(base: int, first: int, width: int, pitch: int, height: int,
 def general_slice_runs(info: TensorInfo, data_start: int, index=None) -> tuple[tuple[int, ...], list[Run]]:
     """``slice_runs`` for any basic index: the block after the last partial dim is a row, the
     dim before it (if any) gives the rows of one 2-D run, and the dims further out one run each."""
-    base = data_start + info.start
     if index is None:
-        return info.shape, ([Run(base, info.nbytes, info.nbytes, 1, 0)] if info.nbytes else [])
+        return slice_runs(info, data_start)
+    base = data_start + info.start
     sel = normalize_index(index, info.shape)
     out_shape = tuple(s[1] for s in sel if isinstance(s, tuple))
     if info.dtype.sub_byte:
         if all(isinstance(s, tuple) and s[0] == 0 and s[1] == n and (s[2] == 1 or n <= 1)
                for s, n in zip(sel, info.shape)):
-            return slice_runs(info, data_start, None)
+            return slice_runs(info, data_start)
         raise SliceError(f"tensor {info.name!r}: slicing sub-byte dtype {info.dtype.name} is not supported; "
                          "load it whole")
     dims = [(s, 1, 1) if isinstance(s, int) else s for s in sel]   # per dim: (start, count, step)

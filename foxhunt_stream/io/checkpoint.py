@@ -325,13 +325,13 @@ def assemble(resolved: Resolved, read: list[tuple[Header, tuple]]) -> Checkpoint
                     identities=[i for _, i in read])
     if weight_map is not None and index_meta is not None and SAVE_KEY in index_meta:
         _one_save(resolved, read)
+    names = ck.names
     for i, h in enumerate(headers):
-        for t in h.tensors:
-            prev = ck.names.get(t.name)
-            if prev is not None:
-                raise FormatError("duplicate-across-shards",
-                                  f"tensor appears in both {paths[prev[0]]} and {paths[i]}", tensor=t.name)
-            ck.names[t.name] = (i, t)
+        if names.keys() & h.by_name.keys():   # a file's own names are unique (its header's keys)
+            t = next(t for t in h.tensors if t.name in names)
+            raise FormatError("duplicate-across-shards",
+                              f"tensor appears in both {paths[names[t.name][0]]} and {paths[i]}", tensor=t.name)
+        names.update({t[0]: (i, t) for t in h.tensors})   # t[0]: its name
     if weight_map is not None:
         for name, full in weight_map.items():
             where = ck.names.get(name)

@@ -53,7 +53,8 @@ def expected(path: str, dim: int | None, rank: int = 1, world: int = 3) -> dict[
         lo, hi = e["data_offsets"]
         x = np.frombuffer(data[lo:hi], {"F32": np.float32, "I16": np.int16, "U8": np.uint8}[e["dtype"]])
         x = x.reshape(e["shape"])
-        if dim is not None and name != "b.m":   # b.m: whole on every rank, a.b by rows (the shard's rules)
+        if dim is not None and name != "b.m" and not name.startswith("t."):   # b.m, t.*: whole on every
+            # rank, a.b by rows (the shard's rules)
             x = np.array_split(x, world, axis=0 if name == "a.b" else dim)[rank]
         out[name] = x
     return out
@@ -61,7 +62,8 @@ def expected(path: str, dim: int | None, rank: int = 1, world: int = 3) -> dict[
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """Two files (an index), tensors of several shapes and types, bigger than a chunk and smaller."""
+    """Two files (an index), tensors of several shapes and types, bigger than a chunk and smaller,
+    and tiny ones (``t.*``, an empty one among them) that the plan packs into shared chunks."""
     d = tmp_path_factory.mktemp("routes") / "ckpt"
     rng = np.random.default_rng(7)
     tensors = {"a.w": rng.standard_normal((96, 200)).astype(np.float32),
@@ -69,6 +71,10 @@ def checkpoint(tmp_path_factory):
                "b.w": rng.integers(-1000, 1000, (40, 333), dtype=np.int16),
                "b.m": rng.integers(0, 255, (9, 7, 5), dtype=np.uint8),
                "c.w": rng.standard_normal((128, 64)).astype(np.float32)}
+    for i in range(12):
+        tensors[f"t.f{i:02}"] = rng.standard_normal(3).astype(np.float32)
+        tensors[f"t.i{i:02}"] = rng.integers(-1000, 1000, (2, 2), dtype=np.int16)
+    tensors["t.i05"] = np.zeros((0, 2), np.int16)   # an empty tensor: no bytes, no chunk
     fs.save_file(tensors, d, max_shard_size=60_000, checksum="xxh3-64", checksum_block=8192)
     return str(d)
 
@@ -86,7 +92,7 @@ class Routes:
         return {k: np.zeros_like(v) for k, v in want.items()}
 
     def land(self, checkpoint, mode: str, dim, **options) -> dict[str, np.ndarray]:
-        shard = None if dim is None else fs.TPSlice(1, 3, {"b.m": None, "a.b": 0, "*": dim})
+        shard = None if dim is None else fs.TPSlice(1, 3, {"b.m": None, "t.*": None, "a.b": 0, "*": dim})
         kw = dict(options, shard=shard)
         if mode == "load_file":
             out = fs.load_file(checkpoint, device=self.device, framework=self.framework, **kw)

@@ -38,9 +38,9 @@ def test_a_load_awaited_whole_ends_on_its_small_chunks(tmp_path, recorded_order)
         np.testing.assert_array_equal(out[n], x)
     (chunks,) = recorded_order
     spans = [c.run.span for c in chunks]
-    assert spans == [16 << 10] * 4 + [64, 64]       # the norms (first in the file) last
+    assert spans == [16 << 10] * 4 + [128]       # the norms (first in the file, one chunk) last
 
     recorded_order.clear()
     handle = fs.load_file(path, chunk_bytes=16 << 10, threads=1, background=True)
     handle.result()
-    assert [c.run.span for c in recorded_order[0]] == [64, 64] + [16 << 10] * 4   # plan (file) order
+    assert [c.run.span for c in recorded_order[0]] == [128] + [16 << 10] * 4   # plan (file) order

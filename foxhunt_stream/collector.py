@@ -5,6 +5,8 @@ reference cycles, so a collection during it finds nothing of ours; but the count
 starts one, and the first full collection after ``import torch`` walks every object torch made:
 45 ms on the 2-vCPU box, most of a fresh process's one-time cost. The switch is the process's:
 while it is off, other threads' garbage cycles wait, and a collection that was due runs after.
+As a decorator it resumes once the call's own objects are freed (only its result left): a
+collection right after a load of 1M tensors, its plan still alive, took 0.67 s.
 """
 
 from __future__ import annotations

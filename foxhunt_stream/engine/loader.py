@@ -19,7 +19,6 @@ from .. import collector, settings as _settings
 from ..cuda.devices import CPU, Device, check_device
 from ..errors import FormatError, StoreMismatchError
 from ..format.dtypes import host_shape
-from ..format.header import collection_paused
 from ..format.plan import LoadPlan, Selection, plan_load, span_bytes
 from ..format.tp import TPSlice, indices_for, shard_shape
 from ..io import pagecache
@@ -142,14 +141,12 @@ _REOPEN_ATTEMPTS = 3
 def reopen_if_replaced(fn):
     """Start a load over when a file was replaced between its header read and its opening (a
     concurrent atomic save renamed a new version over it): the new version is read from scratch.
-    Nothing has been allocated on a device or written to a store by then. The garbage collector
-    is held off meanwhile (``collector``)."""
+    Nothing has been allocated on a device or written to a store by then."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         for attempt in range(_REOPEN_ATTEMPTS):
             try:
-                with collector.paused():
-                    return fn(*args, **kwargs)
+                return fn(*args, **kwargs)
             except FormatError as e:
                 if e.rule != "file-replaced" or attempt == _REOPEN_ATTEMPTS - 1:
                     raise
@@ -157,7 +154,7 @@ def reopen_if_replaced(fn):
 
 
 @reopen_if_replaced
-@collection_paused()   # see there; resumed once the load's own objects are freed, only its result left
+@collector.paused()   # resumed once the load's own objects are freed, only its result left
 def load_file(source, device: Any = "cpu", framework: str | None = None, names: Names = None, *,
               background: bool = False, shard: TPSlice | None = None, verify: bool = False,
               progress: bool | None = None, device_map: Mapping[str, Any] | None = None,
@@ -190,7 +187,7 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
 
 
 @reopen_if_replaced
-@collection_paused()
+@collector.paused()
 def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, shard: TPSlice | None = None,
               verify: bool = False, names: Names = None, progress: bool | None = None,
               **options) -> dict[str, str]:

@@ -1,19 +1,14 @@
 """The public front door of a load: ``fs.load_file``, handed to the engine in this process or,
-with ``process_group``, to ``distributed``. A GPU's pinned staging starts being made as soon as
-the placement is known, before the rest of the loader is imported."""
+with ``process_group``, to ``distributed``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-from . import collector, settings
-from .engine.placement import placement
-from .engine.staging import start_pinning
-
-if TYPE_CHECKING:
-    from .engine.handle import LoadHandle
-    from .format.tp import TPSlice
-    from .io.checkpoint import Names
+from .engine.handle import LoadHandle
+from .engine.loader import load_file as load_here
+from .format.tp import TPSlice
+from .io.checkpoint import Names
 
 
 def load_file(source, device: Any = "cpu", framework: str | None = None, names: Names = None, *,
@@ -34,13 +29,8 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
     default).
     """
     if process_group is None:
-        with collector.paused():
-            where = placement(device, framework, device_map)
-            if where.device is not None:   # pinning starts before the rest of the loader is imported
-                start_pinning(where.device, settings.merge(background=background, **options))
-            from .engine.loader import load_file as load_here
-            return load_here(source, where, framework, names, background=background, shard=shard, verify=verify,
-                             progress=progress, device_map=device_map, **options)
+        return load_here(source, device, framework, names, background=background, shard=shard, verify=verify,
+                         progress=progress, device_map=device_map, **options)
     if device_map is not None:
         raise ValueError("load_file: device_map and process_group are not supported together")
     from .distributed.load import load_file_distributed   # imports torch.distributed: only when asked

@@ -70,7 +70,6 @@ def streamed_model(source: CheckpointSource, r: Recipe, handle, device, warm_for
         to_be_loaded(model, key, table[key], plan.dtypes[key])
     finalize(model, plan, dev, source.shown, r.options.get("ignore_mismatched_sizes", False))
     model.eval()
-    model.set_use_kernels(False, None)
     load_generation_config(model, r, source)
     table = tensor_table(model)   # (tied now)
     streamed = StreamedLoad(model, handle, {name: table[key] for name, key in pending.items()}, set(), [])
@@ -80,6 +79,7 @@ def streamed_model(source: CheckpointSource, r: Recipe, handle, device, warm_for
     table = tensor_table(model)
     for key in pending.values():
         mark_loaded(table[key])
+    model.set_use_kernels(default_use_kernels(), None)   # kernelizing needs the weights on their device
     if r.options.get("output_loading_info", False):
         return model, plan.info.to_dict()
     return model
@@ -249,3 +249,15 @@ def load_with_transformers(path, device, model_class, dtype, kwargs: dict, reaso
     if "device_map" not in kwargs and str(device) != "cpu":
         kwargs["device_map"] = device
     return model_class.from_pretrained(os.fspath(path), **kwargs)
+
+
+def default_use_kernels() -> bool:
+    """transformers' own default for ``use_kernels`` (a call that passes it is transformers'):
+    on where its hub kernels are enabled (``USE_HUB_KERNELS``) and the ``kernels`` package is
+    installed (transformers 5.25), off in the versions without that switch."""
+    try:
+        from transformers.integrations.hub_kernels import _kernels_enabled
+        from transformers.utils import is_kernels_available
+    except ImportError:
+        return False
+    return bool(_kernels_enabled() and is_kernels_available())

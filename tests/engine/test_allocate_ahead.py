@@ -85,7 +85,7 @@ def test_workers_held_back_start_when_the_allocator_is_done(ckpt, monkeypatch):
     real_read = source.FileSource.read_into
 
     def slow_empty(self, dtype, shape, device, tensor=""):
-        time.sleep(0.0003)
+        time.sleep(0.001)   # the allocator runs ~0.12 s: longer than a busy machine takes to start a thread
         with lock:
             events.append(("alloc", threading.current_thread().name, time.perf_counter()))
         return real_empty(self, dtype, shape, device, tensor)

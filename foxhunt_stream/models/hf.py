@@ -252,12 +252,13 @@ def load_with_transformers(path, device, model_class, dtype, kwargs: dict, reaso
 
 
 def default_use_kernels() -> bool:
-    """transformers' own default for ``use_kernels`` (a call that passes it is transformers'):
-    on where its hub kernels are enabled (``USE_HUB_KERNELS``) and the ``kernels`` package is
-    installed (transformers 5.25), off in the versions without that switch."""
-    try:
-        from transformers.integrations.hub_kernels import _kernels_enabled
-        from transformers.utils import is_kernels_available
-    except ImportError:
+    """transformers' own default for ``use_kernels`` (a call that passes it is transformers'): from
+    5.25 on where its hub kernels are enabled (``USE_HUB_KERNELS``) and ``kernels`` is installed,
+    off before (5.17-5.24 default to False)."""
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    if (major, minor) < (5, 25):
         return False
+    from transformers.integrations.hub_kernels import _kernels_enabled
+    from transformers.utils import is_kernels_available
     return bool(_kernels_enabled() and is_kernels_available())

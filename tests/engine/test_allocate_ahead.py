@@ -138,3 +138,38 @@ def test_job_release_before_or_after_start():
     early.release()                      # before start: nothing is held
     early.start(hold=3).wait(10)
     assert early.done()
+
+
+def test_a_destination_is_made_without_waiting_for_another_ones_allocation():
+    """A thread that needs destination 1 makes it while another thread is still making destination
+    0 (held by the lock through the allocation, it waited for that whole allocation)."""
+    from foxhunt_stream.cuda.devices import CPU
+    from foxhunt_stream.engine.destinations import Destinations
+    entered, gate = threading.Event(), threading.Event()
+    made: list[int] = []
+
+    def make(d):
+        made.append(d)
+        if d == 0:
+            entered.set()
+            gate.wait(10)
+        return f"array{d}", f"buffer{d}"
+    dests = Destinations(2, [CPU, CPU], make)
+    first = threading.Thread(target=dests.buffer, args=(0,))
+    first.start()
+    assert entered.wait(10)
+    second = threading.Thread(target=dests.buffer, args=(1,))
+    second.start()
+    second.join(5)
+    try:
+        assert not second.is_alive(), "destination 1 waited for destination 0's allocation"
+        same = threading.Thread(target=dests.buffer, args=(0,))   # the same one: waits for it, never makes it twice
+        same.start()
+        same.join(0.2)
+        assert same.is_alive()
+    finally:
+        gate.set()
+        first.join(5)
+    same.join(5)
+    assert dests.buffer(0) == "buffer0" and dests.buffer(1) == "buffer1" and dests.array(0) == "array0"
+    assert sorted(made) == [0, 1]

@@ -1,12 +1,9 @@
-"""Python's cyclic garbage collector, held off while a load sets up and runs.
+"""Python's cyclic garbage collector, held off while a load runs.
 
-A load makes thousands of small objects (the plan's chunks, a header's entries) that hold no
-reference cycles, so a collection during it finds nothing of ours; but the count of new objects
-starts one, and the first full collection after ``import torch`` walks every object torch made:
-45 ms on the 2-vCPU box, most of a fresh process's one-time cost. The switch is the process's:
-while it is off, other threads' garbage cycles wait, and a collection that was due runs after.
-As a decorator it resumes once the call's own objects are freed (only its result left): a
-collection right after a load of 1M tensors, its plan still alive, took 0.67 s.
+A load's small objects (plan chunks, header entries) hold no cycles, yet their count starts
+collections: the first full one after ``import torch`` walks all of torch's objects (45 ms on the
+2-vCPU box). The switch is the process's: a collection that was due runs after. As a decorator it
+resumes once the call's own objects are freed (one right after a 1M-tensor load took 0.67 s).
 """
 
 from __future__ import annotations

@@ -57,11 +57,8 @@ class Destinations:
         return cls(len(buffers), [b.device for b in buffers], buffers=buffers, arrays=arrays)
 
     def buffer(self, d: int) -> Buffer:
-        """Destination ``d``'s buffer, made by the first thread that needs it, outside the lock: a
-        thread waits only for the destination it needs. (With the lock held through each
-        allocation, the allocating thread took it back at once, allocation after allocation, and a
-        worker needing another destination waited until it was done: on the 16-vCPU H200 machine,
-        until the end of a 120-tensor load's allocations.)"""
+        """Destination ``d``'s buffer, made outside the lock by the first thread that needs it: one
+        held through each allocation kept workers off until the allocating thread's last one."""
         b = self.buffers[d]
         if b is not None:
             return b
@@ -75,7 +72,7 @@ class Destinations:
             arr, b = self._make(d)
             self.arrays[d] = arr
             self.buffers[d] = b
-        finally:   # made, or failed: a waiter then tries itself (and reports the error, naming the tensor)
+        finally:   # made, or failed: a waiter then tries itself (and reports the error)
             with self._made:
                 self._making.discard(d)
                 self._made.notify_all()

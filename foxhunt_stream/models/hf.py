@@ -252,9 +252,8 @@ def load_with_transformers(path, device, model_class, dtype, kwargs: dict, reaso
 
 
 def default_use_kernels() -> bool:
-    """transformers' own default for ``use_kernels`` (a call that passes it is transformers'): from
-    5.25 on where its hub kernels are enabled (``USE_HUB_KERNELS``) and ``kernels`` is installed,
-    off before (5.17-5.24 default to False)."""
+    """transformers' default ``use_kernels``: from 5.25, on where hub kernels are enabled and
+    installed; off in 5.17-5.24. (A call that passes it goes to transformers itself.)"""
     import transformers
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     if (major, minor) < (5, 25):

@@ -18,6 +18,7 @@ _SIGNATURES = {   # name: (return type, argument types)
     "mincore": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]),
     "fallocate": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]),
     "memset": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]),
+    "syscall": (ctypes.c_long, [ctypes.c_long, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
 }
 
 MAP_FAILED = ctypes.c_void_p(-1).value

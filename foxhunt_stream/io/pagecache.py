@@ -1,6 +1,6 @@
 """The page cache: what is resident, how to fill it without copying, and who is filling it.
 
-``resident_fraction`` samples a file's pages with ``mincore``; ``sendfile_to_null`` pulls a byte
+``resident_fraction`` counts a file's pages in the cache (``cachestat``, or a ``mincore`` sample); ``sendfile_to_null`` pulls a byte
 range into the cache with no copy; ``advise`` passes ``posix_fadvise`` hints. The registry at the
 end is how a prefetch and a load learn of each other without importing each other: the loader
 asks ``prefetching(path)`` and says ``loading(path)`` (the prefetch drops its pacing).
@@ -105,9 +105,10 @@ def residency_snapshot():
 
 
 def resident_fraction(path: str | os.PathLike, samples: int = 64) -> float:
-    """Fraction of the file's pages in the page cache, from ``samples`` pages in runs of
-    ``SAMPLE_RUN`` spread evenly over it (one mincore call a run); ``samples`` >= the page count
-    checks every page. Inside ``residency_snapshot`` the first answer for a file is kept."""
+    """Fraction of the file's pages in the page cache: all of them counted (``cachestat``), or,
+    where the kernel lacks it, ``samples`` pages in runs of ``SAMPLE_RUN`` spread evenly over it
+    (``samples`` >= the page count checks every page). Inside ``residency_snapshot`` the first
+    answer for a file is kept."""
     memo = _snapshot.get()
     if memo is None:
         return _sample_residency(path, samples)
@@ -122,38 +123,72 @@ def _sample_residency(path: str | os.PathLike, samples: int) -> float:
     if size == 0:
         return 1.0
     try:
-        lib = libc()
         fd = os.open(os.fspath(path), os.O_RDONLY)
         try:
-            addr = lib.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, MAP_FAILED):
-                return 1.0
-            try:
-                page = mmap.PAGESIZE
-                pages = -(-size // page)
-                if samples >= pages or pages <= 2 * SAMPLE_RUN:   # every page: one call over the whole mapping
-                    vec = (ctypes.c_ubyte * pages)()
-                    if lib.mincore(ctypes.c_void_p(addr), size, vec) != 0:
-                        return 1.0
-                    import numpy as np
-                    return float((np.frombuffer(vec, np.uint8) & 1).mean())
-                # ``samples`` pages in runs of SAMPLE_RUN, the runs spread evenly: one mincore call
-                # per run (a call costs ~2 us of ctypes, the page lookups next to nothing)
-                runs = -(-samples // SAMPLE_RUN)
-                starts = sorted({min((i * pages) // runs, pages - SAMPLE_RUN) for i in range(runs)})
-                vec = (ctypes.c_ubyte * SAMPLE_RUN)()
-                ref, span, hits = ctypes.byref(vec), SAMPLE_RUN * page, 0
-                for p in starts:
-                    if lib.mincore(addr + p * page, span, ref) != 0:
-                        return 1.0
-                    hits += (int.from_bytes(vec, "little") & _RESIDENT_BITS).bit_count()
-                return hits / (len(starts) * SAMPLE_RUN)
-            finally:
-                lib.munmap(ctypes.c_void_p(addr), size)
+            cached = _cached_pages(fd)
+            if cached is not None:
+                return min(1.0, cached / -(-size // mmap.PAGESIZE))
+            return _mincore_sample(fd, size, samples)
         finally:
             os.close(fd)
     except (OSError, AttributeError):
         return 1.0
+
+
+_CACHESTAT = 451        # the syscall's number (Linux >= 6.5, the same on every architecture)
+_cachestat_works = True
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+def _cached_pages(fd: int) -> int | None:
+    """The file's pages in the page cache, counted by the kernel (``cachestat``: one call, no
+    mapping, so it never waits on the memory map's lock, which a mapping and its unmapping take
+    for writing while staging memory is being pinned beside the load); None where there is none."""
+    global _cachestat_works
+    if not _cachestat_works:
+        return None
+    lib = libc()
+    if not hasattr(lib, "syscall"):
+        _cachestat_works = False
+        return None
+    whole, stat_ = _CachestatRange(0, 0), (ctypes.c_uint64 * 5)()   # nr_cache, dirty, writeback, evicted, recent
+    if lib.syscall(_CACHESTAT, fd, ctypes.byref(whole), ctypes.byref(stat_), 0) != 0:
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):   # an older kernel, or a filter refusing it
+            _cachestat_works = False
+        return None
+    return stat_[0]
+
+
+def _mincore_sample(fd: int, size: int, samples: int) -> float:
+    """``samples`` pages in runs of SAMPLE_RUN spread evenly, through a mapping (one mincore call a run)."""
+    lib = libc()
+    addr = lib.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, MAP_FAILED):
+        return 1.0
+    try:
+        page = mmap.PAGESIZE
+        pages = -(-size // page)
+        if samples >= pages or pages <= 2 * SAMPLE_RUN:   # every page: one call over the whole mapping
+            vec = (ctypes.c_ubyte * pages)()
+            if lib.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                return 1.0
+            import numpy as np
+            return float((np.frombuffer(vec, np.uint8) & 1).mean())
+        # a call costs ~2 us of ctypes, the page lookups next to nothing
+        runs = -(-samples // SAMPLE_RUN)
+        starts = sorted({min((i * pages) // runs, pages - SAMPLE_RUN) for i in range(runs)})
+        vec = (ctypes.c_ubyte * SAMPLE_RUN)()
+        ref, span, hits = ctypes.byref(vec), SAMPLE_RUN * page, 0
+        for p in starts:
+            if lib.mincore(addr + p * page, span, ref) != 0:
+                return 1.0
+            hits += (int.from_bytes(vec, "little") & _RESIDENT_BITS).bit_count()
+        return hits / (len(starts) * SAMPLE_RUN)
+    finally:
+        lib.munmap(ctypes.c_void_p(addr), size)
 
 
 # ---------------------------------------------------------------- prefetches in flight

@@ -218,8 +218,7 @@ class PinnedArena:
     after (``benchmarks/pin_probe.py``, 2026-12-03). So the mapping asks for huge pages, and
     ``pin(k)`` faults slot ``k`` in (``MADV_POPULATE_WRITE``: no copy, the GIL released) on the
     calling thread before it registers it: several threads fault in at once, and the driver's own
-    part is short. It faults in one huge page a call: a call holds the process's memory-map lock,
-    and each ``mmap``, ``munmap`` or heap growth of the load's setup beside it waits for one. Slots are pinned one by one, so the first ones are ready early. Host -> device
+    part is short. Slots are pinned one by one, so the first ones are ready early. Host -> device
     copies from this memory ran as fast as from ``cudaHostAlloc``'s (51-53 GB/s)."""
 
     def __init__(self, slot_bytes: int, n: int) -> None:
@@ -243,11 +242,8 @@ class PinnedArena:
         """Slot ``k``, faulted in and registered: a uint8 array that keeps the arena alive."""
         from ..io.libc import libc
         ptr, n = self.base + k * self.slot_bytes, self.slot_bytes
-        lib = libc()
-        for at in range(ptr, ptr + n, HUGE_PAGE):   # a huge page a call: the map's lock held briefly each time
-            if lib.madvise(at, min(HUGE_PAGE, ptr + n - at), MADV_POPULATE_WRITE) != 0:   # Linux < 5.14
-                lib.memset(at, 0, ptr + n - at)   # touch the pages instead
-                break
+        if libc().madvise(ptr, n, MADV_POPULATE_WRITE) != 0:   # Linux < 5.14: touch the pages instead
+            libc().memset(ptr, 0, n)
         self._rt.hostRegister(ptr, n, HOST_REGISTER_PORTABLE)
         with self._lock:
             self._pinned.append(ptr)

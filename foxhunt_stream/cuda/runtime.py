@@ -41,7 +41,7 @@ EVENT_DISABLE_TIMING = 0x02    # cudaEventDisableTiming: the cheapest event to r
 HOST_ALLOC_PORTABLE = 0x01     # cudaHostAllocPortable: pinned for every context, like cupy's pools
 HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: the same for registered memory
 HUGE_PAGE = 2 << 20            # a transparent huge page (x86-64, arm64 with 4 KiB pages)
-MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23   # Linux's madvise advice numbers
+MADV_HUGEPAGE = 14             # Linux's madvise advice for transparent huge pages
 H2D, D2H = 1, 2                # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 
 _rt: Any = None
@@ -216,10 +216,13 @@ class PinnedArena:
     pinned. Registering (``cudaHostRegister``) an anonymous mapping backed by huge pages ran at
     4-6 GB/s, and at 9-13 GB/s when 16 threads faulted their parts in first and registered them
     after (``benchmarks/pin_probe.py``, 2026-12-03). So the mapping asks for huge pages, and
-    ``pin(k)`` faults slot ``k`` in (``MADV_POPULATE_WRITE``: no copy, the GIL released) on the
-    calling thread before it registers it: several threads fault in at once, and the driver's own
-    part is short. Slots are pinned one by one, so the first ones are ready early. Host -> device
-    copies from this memory ran as fast as from ``cudaHostAlloc``'s (51-53 GB/s)."""
+    ``pin(k)`` faults slot ``k`` in on the calling thread (a ``memset``, the GIL released) before
+    it registers it: several threads fault in at once, and the driver's own part is short. The
+    faults take only the mapping's own lock; ``MADV_POPULATE_WRITE`` held the process's memory-map
+    lock instead, and every ``mmap`` of the loading thread (its allocations, its imports) waited
+    behind it, for milliseconds each (``benchmarks/RESULTS.md``). Slots are pinned one by one, so
+    the first ones are ready early. Host -> device copies from this memory ran as fast as from
+    ``cudaHostAlloc``'s (51-53 GB/s)."""
 
     def __init__(self, slot_bytes: int, n: int) -> None:
         from ..io.libc import MAP_FAILED, libc
@@ -242,8 +245,7 @@ class PinnedArena:
         """Slot ``k``, faulted in and registered: a uint8 array that keeps the arena alive."""
         from ..io.libc import libc
         ptr, n = self.base + k * self.slot_bytes, self.slot_bytes
-        if libc().madvise(ptr, n, MADV_POPULATE_WRITE) != 0:   # Linux < 5.14: touch the pages instead
-            libc().memset(ptr, 0, n)
+        libc().memset(ptr, 0, n)
         self._rt.hostRegister(ptr, n, HOST_REGISTER_PORTABLE)
         with self._lock:
             self._pinned.append(ptr)

@@ -1,5 +1,5 @@
-"""``runtime.PinnedArena.pin`` without a GPU: a slot is faulted in (``MADV_POPULATE_WRITE``, or
-touched where the kernel lacks it) and registered whole, and its array is that memory."""
+"""``runtime.PinnedArena.pin`` without a GPU: a slot is faulted in by writing it and registered
+whole, and its array is that memory."""
 
 from __future__ import annotations
 
@@ -16,15 +16,13 @@ SLOT = 5 * runtime.HUGE_PAGE // 2 + 8192   # a staging slot's shape: a chunk and
 
 
 class _Recorder:
-    """The C library, its madvise recorded (and failed on request)."""
+    """The C library, its madvise and memset calls recorded."""
 
-    def __init__(self, real, fail_populate: bool = False) -> None:
-        self.real, self.fail_populate, self.advised, self.memset_calls = real, fail_populate, [], []
+    def __init__(self, real) -> None:
+        self.real, self.advised, self.memset_calls = real, [], []
 
     def madvise(self, ptr, n, advice):
         self.advised.append((ptr, n, advice))
-        if self.fail_populate and advice == runtime.MADV_POPULATE_WRITE:
-            return -1
         return self.real.madvise(ptr, n, advice)
 
     def memset(self, ptr, value, n):
@@ -51,27 +49,21 @@ def _arena(n_slots: int):
     return arena, mem
 
 
-def test_a_slot_is_faulted_in_then_registered_whole(monkeypatch):
+def test_a_slot_is_faulted_in_by_writing_it_then_registered_whole(monkeypatch):
+    """Written, not advised: ``MADV_POPULATE_WRITE`` holds the process's memory-map lock while it
+    faults, and the loading thread's every mmap waited behind it."""
     rec = _Recorder(libc_module.libc())
     monkeypatch.setattr(libc_module, "libc", lambda: rec)
     arena, mem = _arena(2)
+    np.frombuffer(mem, np.uint8)[:] = 9
     view = arena.pin(1)
     start = arena.base + SLOT
-    assert [(p, n) for p, n, a in rec.advised if a == runtime.MADV_POPULATE_WRITE] == [(start, SLOT)]
-    assert not rec.memset_calls
+    assert rec.memset_calls == [(start, SLOT)]   # the whole slot, once
+    assert rec.advised == []
     assert arena._rt.registered == [(start, SLOT, runtime.HOST_REGISTER_PORTABLE)]
     assert view.nbytes == SLOT and view.ctypes.data == start
+    assert np.frombuffer(mem, np.uint8, SLOT, SLOT).max() == 0 and np.frombuffer(mem, np.uint8, SLOT).min() == 9
     view[:] = 7
     assert np.frombuffer(mem, np.uint8, SLOT, SLOT).min() == 7   # the slot's array is the arena's memory
     del view, arena
     mem.close()
-
-
-def test_without_populate_the_rest_of_the_slot_is_touched_instead(monkeypatch):
-    rec = _Recorder(libc_module.libc(), fail_populate=True)
-    monkeypatch.setattr(libc_module, "libc", lambda: rec)
-    arena, mem = _arena(1)
-    arena.pin(0)
-    assert rec.memset_calls == [(arena.base, SLOT)]   # the whole slot, once
-    assert len(arena._rt.registered) == 1
-    arena._pinned.clear()

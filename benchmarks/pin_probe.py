@@ -12,7 +12,11 @@ Each variant runs in a new process (torch imported and its CUDA context made fir
   ``MADV_HUGEPAGE`` on a 2 MiB-aligned mapping), then one ``cudaHostRegister`` of all of it;
 - ``register_thp_slots``: the same mapping, one ``cudaHostRegister`` per 8 MiB slot in turn;
 - ``register_thp_parallel`` / ``register_4k_parallel``: 16 threads, each registering its 16 MiB;
-- ``touch_thp_parallel``: 16 threads, each touching its 16 MiB (``memset``) and then registering it.
+- ``touch_thp_parallel``: 16 threads, each touching its 16 MiB (``memset``) and then registering it;
+- ``populate_thp_parallel``: the same, faulting in by ``madvise(MADV_POPULATE_WRITE)`` instead.
+
+While the threads of a parallel variant run, the main thread maps and unmaps 64 KiB over and over
+(as a loader's allocations and imports do beside the pinning) and reports how long each took.
 
 Then, from the memory each variant made, 1 GiB of host -> device copies in 4 MiB pieces on one
 stream (GB/s): pinned memory made either way must copy as fast. A last child times the imports
@@ -36,9 +40,10 @@ SLOT = 8 << 20
 SLOTS = 32
 THREADS = 16
 HUGE = 2 << 20
-MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
+MADV_HUGEPAGE, MADV_NOHUGEPAGE, MADV_POPULATE_WRITE = 14, 15, 23
 VARIANTS = ("hostalloc_slots", "hostalloc_big", "hostalloc_parallel", "register_4k", "register_thp",
-            "register_thp_slots", "register_thp_parallel", "register_4k_parallel", "touch_thp_parallel")
+            "register_thp_slots", "register_thp_parallel", "register_4k_parallel", "touch_thp_parallel",
+            "populate_thp_parallel")
 
 
 def _cudart():
@@ -81,7 +86,8 @@ def _anon(nbytes: int, huge: bool) -> int:
     return base
 
 
-def _parallel(work) -> list[float]:
+def _parallel(work, out: dict) -> None:
+    """``work(w)`` on THREADS threads; the main thread's mmap + munmap latencies beside them."""
     times = [0.0] * THREADS
     def run(w):
         t = time.perf_counter()
@@ -90,9 +96,18 @@ def _parallel(work) -> list[float]:
     ts = [threading.Thread(target=run, args=(w,)) for w in range(THREADS)]
     for t in ts:
         t.start()
+    libc, lat = _libc(), []
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    while any(t.is_alive() for t in ts):
+        t = time.perf_counter()
+        libc.munmap(libc.mmap(None, 1 << 16, mmap.PROT_READ | mmap.PROT_WRITE,
+                              mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0), 1 << 16)
+        lat.append(time.perf_counter() - t)
     for t in ts:
         t.join()
-    return times
+    lat.sort()
+    out["thread_s"] = times
+    out["mmap_beside_us"] = {"n": len(lat), "median": lat[len(lat) // 2] * 1e6, "max": lat[-1] * 1e6} if lat else {}
 
 
 def variant(name: str) -> dict:
@@ -121,7 +136,7 @@ def variant(name: str) -> dict:
                 p = ctypes.c_void_p()
                 _check(rt.cudaHostAlloc(ctypes.byref(p), SLOT, 1), "cudaHostAlloc")
                 got[w].append(p.value)
-        out["thread_s"] = _parallel(work)
+        _parallel(work, out)
         slots = [p for g in got for p in g]
     else:
         base = _anon(total, huge="thp" in name)
@@ -139,8 +154,10 @@ def variant(name: str) -> dict:
             def work(w):
                 if name.startswith("touch"):
                     libc.memset(base + w * per, 0, per)
+                elif name.startswith("populate") and libc.madvise(base + w * per, per, MADV_POPULATE_WRITE):
+                    raise OSError(ctypes.get_errno(), "MADV_POPULATE_WRITE failed")
                 _check(rt.cudaHostRegister(base + w * per, per, 1), "cudaHostRegister")
-            out["thread_s"] = _parallel(work)
+            _parallel(work, out)
     out["pin_s"] = time.perf_counter() - t0
     out["pin_gbps"] = total / out["pin_s"] / 1e9
     # 1 GiB of 4 MiB host -> device copies out of the slots, one stream
@@ -290,7 +307,7 @@ def main() -> None:
         kind, *rest = a.child
         print(json.dumps({"variant": variant, "imports": imports, "lone": lone, "floor": floor}[kind](*rest)), flush=True)
         return
-    results: dict = {"thp": {}}
+    results: dict = {"thp": {}, "kernel": os.uname().release}
     for f in ("enabled", "defrag"):
         try:
             with open(f"/sys/kernel/mm/transparent_hugepage/{f}") as fh:
@@ -311,16 +328,17 @@ def main() -> None:
                 print(json.dumps(results["floor"][-1]), flush=True)
     results["imports"] = [child(["--child", "imports"]) for _ in range(2)]
     results["lone"] = [child(["--child", "lone", m]) for m in ("ml_dtypes", "numpy", "cupy_backends.cuda.api.runtime")]
-    print(json.dumps(results["thp"]))
+    print(json.dumps(results["thp"]), results["kernel"])
     for x in results["imports"] + results["lone"]:
         print(json.dumps(x))
-    print(f"{'variant':24} {'pin s':>8} {'GB/s':>7} {'first slot s':>12} {'H2D GB/s':>9}")
+    print(f"{'variant':24} {'pin s':>8} {'GB/s':>7} {'first slot s':>12} {'H2D GB/s':>9} {'mmap beside: median, max us':>28}")
     for x in runs:
         if "error" in x:
             print(x["args"], x["error"][-300:])
             continue
+        m = x.get("mmap_beside_us", {})
         print(f"{x['variant']:24} {x['pin_s']:8.4f} {x['pin_gbps']:7.2f} {x.get('first_slot_s', float('nan')):12.4f} "
-              f"{x['h2d_gbps']:9.2f}")
+              f"{x['h2d_gbps']:9.2f} {m.get('median', float('nan')):14.1f} {m.get('max', float('nan')):12.1f}")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "pin_probe.json"), "w") as f:

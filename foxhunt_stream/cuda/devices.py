@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import DeviceError
 from . import diagnose, runtime as cudart
 from .runtime import cupy  # noqa: F401  (the cupy module, or a DeviceError with the install hint)
 
 
-@dataclass(frozen=True, slots=True)
-class Device:
+class Device(NamedTuple):
+    """A place arrays live: the host, or one GPU (a tuple: a dataclass costs a process's first
+    load ten times as much to define)."""
     kind: str      # "cpu" | "cuda"
     index: int = 0
 

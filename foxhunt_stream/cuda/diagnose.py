@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 CUPY_INSTALL = "pip install cupy-cuda13x (or cupy-cuda12x where the driver supports CUDA 12 only)"
 
 
-@dataclass(frozen=True)
-class TorchFacts:
+class TorchFacts(NamedTuple):
     """What this process knows of torch: whether it is ``installed`` and ``imported``, its
     ``version``, the CUDA version it was built for (``cuda``: None for a CPU-only build), and
     ``hip`` for a ROCm build."""

@@ -6,8 +6,7 @@ framework that makes their arrays).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from ..cuda.devices import CPU, Device, DeviceError, check_device, parse_device
 from .frameworks import Framework, get_framework
@@ -58,8 +57,7 @@ def resolve_device_map(names: Sequence[str], device_map: DeviceMap) -> list[Devi
     return devices
 
 
-@dataclasses.dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     """Where a load's tensors land: one ``device`` for all, or a parsed ``device_map``; and the
     ``framework`` name asked for (None: numpy on the host, cupy on a GPU)."""
     device: Device | None

@@ -13,7 +13,6 @@ and a worker takes each slot as soon as it is pinned.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -26,12 +25,16 @@ if TYPE_CHECKING:
     from ..settings import Settings
 
 
-@dataclass(eq=False, slots=True)
 class Slot:
-    array: np.ndarray       # uint8, page-aligned
-    event: Any = None       # the last async copy reading/writing this slot, if any
-    owner: Any = None       # keeps the allocation alive
-    cuda_event: Any = None  # a reusable CUDA event for this slot's copies (made by the GPU target)
+    """One staging buffer and what its last copy left behind."""
+
+    __slots__ = ("array", "event", "owner", "cuda_event")
+
+    def __init__(self, array: np.ndarray, event: Any = None, owner: Any = None) -> None:
+        self.array = array      # uint8, page-aligned
+        self.event = event      # the last async copy reading/writing this slot, if any
+        self.owner = owner      # keeps the allocation alive
+        self.cuda_event: Any = None   # a reusable CUDA event for this slot's copies (made by the GPU target)
 
     @property
     def ptr(self) -> int:

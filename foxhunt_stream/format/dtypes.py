@@ -11,7 +11,7 @@ the H200 machine and 0.5 s on a 2-vCPU box, and torch and cupy outputs never nee
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,8 +20,7 @@ from ..errors import UnsupportedTypeError
 _HOST: dict[str, np.dtype] = {}   # DType.name -> its host dtype, resolved on first use
 
 
-@dataclass(frozen=True, slots=True)
-class DType:
+class DType(NamedTuple):
     name: str            # the safetensors spelling, e.g. "BF16"
     bits: int            # bits per element
     host: str            # host element type: a numpy type name, or "ml_dtypes.<name>"; sub-byte: uint8

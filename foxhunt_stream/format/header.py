@@ -29,7 +29,6 @@ import json
 import math
 import operator
 import struct
-from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple
 
 from .dtypes import DTYPES, DType
@@ -67,13 +66,15 @@ class TensorInfo(NamedTuple):
         return n
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
     """A validated header. ``tensors`` are in file (offset) order."""
     metadata: dict[str, str] | None
     tensors: tuple[TensorInfo, ...]
     header_len: int                     # n, the JSON length including padding
-    by_name: dict[str, TensorInfo] = field(repr=False, compare=False, default_factory=dict)
+    by_name: dict[str, TensorInfo]      # the same tensors by name
+
+    def __repr__(self) -> str:
+        return f"Header({len(self.tensors)} tensors, header_len={self.header_len}, metadata={self.metadata!r})"
 
     @property
     def data_start(self) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence, TypeVar
 
 from .dtypes import DType
@@ -66,8 +65,7 @@ class Destination(NamedTuple):
 _NBYTES = operator.itemgetter(3)   # Destination.nbytes
 
 
-@dataclass(frozen=True, slots=True)
-class LoadPlan:
+class LoadPlan(NamedTuple):
     destinations: tuple[Destination, ...]
     chunks: tuple[Chunk, ...]
     chunks_per_dest: tuple[int, ...]

@@ -15,8 +15,7 @@ each range passed through the cache once more (``FileSource.promote``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, NamedTuple, Sequence
 
 from . import pagecache
 from .source import FileSource, open_source, stream_of
@@ -35,8 +34,7 @@ COLD_RESIDENT = 0.5      # a file read through the cache with less than this of 
 STREAM_FDS = 256
 
 
-@dataclass(frozen=True, slots=True)
-class ReadPolicy:
+class ReadPolicy(NamedTuple):
     """How one file of a load is read (module docstring), for the planner and ``open``."""
     size: int                 # the file's size when its header was read
     backend: str = "pread"    # "pread", "direct" (O_DIRECT) or "mmap" (every read a copy out of a mapping)

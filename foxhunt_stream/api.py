@@ -3,12 +3,14 @@ with ``process_group``, to ``distributed``."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .engine.handle import LoadHandle
 from .engine.loader import load_file as load_here
-from .format.tp import TPSlice
 from .io.checkpoint import Names
+
+if TYPE_CHECKING:
+    from .format.tp import TPSlice
 
 
 def load_file(source, device: Any = "cpu", framework: str | None = None, names: Names = None, *,

@@ -13,14 +13,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any, Mapping, MutableMapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, NamedTuple, Sequence
 
 from .. import collector, settings as _settings
 from ..cuda.devices import CPU, Device, check_device
 from ..errors import FormatError, StoreMismatchError
 from ..format.dtypes import host_shape
 from ..format.plan import LoadPlan, Selection, plan_load, span_bytes
-from ..format.tp import TPSlice, indices_for, shard_shape
 from ..io import pagecache
 from ..io.checkpoint import Checkpoint, Names, open_checkpoint, select
 from ..io.read_policy import ReadPolicy, read_policies
@@ -32,6 +31,9 @@ from .handle import LoadHandle
 from .inflight import LoadCheck, LoadInFlight
 from .placement import Placement, placement
 from .progress import progress_bar
+
+if TYPE_CHECKING:
+    from ..format.tp import TPSlice
 
 
 class LoadIntoWarning(UserWarning):
@@ -53,6 +55,15 @@ def selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | No
 
 
 _new = tuple.__new__
+
+
+def shard_indices(ck: Checkpoint, names: list[str], shard: TPSlice | None) -> dict[str, Any] | None:
+    """Each name's index into its tensor for rank ``shard`` (None unsharded: only a sharded load
+    imports ``format.tp``)."""
+    if shard is None:
+        return None
+    from ..format.tp import indices_for
+    return indices_for(ck, names, shard)
 
 
 class Prepared(NamedTuple):
@@ -172,7 +183,7 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
     if where.device is None:
         start_pinning(devices, s)
     order = "by_device" if where.device_map is not None else "selection" if background else "whole"
-    plan, s, policies, verifier = prepare(ck, selections(ck, chosen, indices_for(ck, chosen, shard)), s, devices,
+    plan, s, policies, verifier = prepare(ck, selections(ck, chosen, shard_indices(ck, chosen, shard)), s, devices,
                                           verify=verify, order=order)
     sources = open_sources(ck, policies)
     try:
@@ -214,6 +225,8 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
     unexpected = [n for n in considered if n not in store]
     problems = []
     chosen, buffers = [], []
+    if shard is not None:
+        from ..format.tp import shard_shape
     for n in considered:
         if n not in store:
             continue
@@ -252,7 +265,7 @@ def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, s
         if b.device.is_cuda and (type(fw), b.device) not in settled:
             fw.settle(b.device)
             settled.add((type(fw), b.device))
-    plan, s, policies, verifier = prepare(ck, selections(ck, chosen, indices_for(ck, chosen, shard)), s, devices,
+    plan, s, policies, verifier = prepare(ck, selections(ck, chosen, shard_indices(ck, chosen, shard)), s, devices,
                                           verify=verify, order="whole")
     sources = open_sources(ck, policies)
     try:

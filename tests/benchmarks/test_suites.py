@@ -190,3 +190,23 @@ def test_the_chunk_size_sweep_times_every_plan_at_every_size_in_one_process(tmp_
     assert all(len(ts) == 2 for ts in data["seconds"].values())
     table = (out / "chunks.txt").read_text()
     assert "1 MiB" in table and "2 MiB, reads 1 MiB" in table and "rows / full" in table
+
+
+def test_first_load_timeline_reports_each_step_of_both_loads(tmp_path):
+    """The timeline script on the host: each variant in a new process, the loader's steps in the
+    order a load takes them, and the files it writes."""
+    import first_load_timeline as tl
+    ck = str(tmp_path / "ck")
+    common.ensure_checkpoint(ck, "4MiB", shards=2)
+    assert tl.main([ck, "--device", "cpu", "--rounds", "1", "--variants", "plain,preimport+swi",
+                    "--out", str(tmp_path / "o")]) == 0
+    data = json.loads((tmp_path / "o" / "timeline.json").read_text())
+    for variant in ("plain", "preimport+swi"):
+        (run,) = data["runs"][variant]
+        first, second = (tl.milestones(load) for load in run["loads"])
+        steps = [first[k] for k in ("import", "placement", "headers", "plan", "workers", "done")]
+        assert steps == sorted(steps) and second["done"] > 0
+    plain, pre = (tl.milestones(data["runs"][v][0]["loads"][0]) for v in ("plain", "preimport+swi"))
+    assert pre["import"] < plain["import"]   # imported before the clock: nothing left to import
+    assert "medians" in (tmp_path / "o" / "timeline.txt").read_text()
+

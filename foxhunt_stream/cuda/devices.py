@@ -13,8 +13,7 @@ from .runtime import cupy  # noqa: F401  (the cupy module, or a DeviceError with
 
 
 class Device(NamedTuple):
-    """A place arrays live: the host, or one GPU (a tuple: a dataclass costs a process's first
-    load ten times as much to define)."""
+    """A place arrays live: the host, or one GPU (a tuple, as the load's other value types)."""
     kind: str      # "cpu" | "cuda"
     index: int = 0
 

@@ -10,7 +10,8 @@ imports torch and makes its CUDA context (on a GPU), untimed; then the clock sta
 import, as in ``fresh_bench.py``. The loader's steps are wrapped (no change to what they do) and
 each reports when it ended, in ms from the clock's start: ``import`` (the loader's modules),
 ``placement``, ``headers`` (``open_checkpoint``), ``plan`` (``prepare``), ``workers`` (the load in
-flight), the first and last pinned slot's start and end (``pin``), the first read into staging
+flight), pinning (``pin0``: the first slot begun; ``pin1``, ``pin16``, ``pinN``: the first, 16th
+and last slot pinned), the first read into staging
 (``read0``) and the tensors on the device (``done``). Then a second load in the same process,
 timed from its own start. A variant is ``+``-joined parts: ``plain``; ``rows`` (rank 0 of TP=8,
 every tensor by rows); ``swi`` (``sys.setswitchinterval(0.0002)`` before the clock);
@@ -58,7 +59,7 @@ def child(variant: str, ckpt: str, device: str) -> dict:
         import foxhunt_stream
         foxhunt_stream.warmup(device)
     events: list[tuple[float, str]] = []
-    spans: dict[str, list] = {}
+    spans: dict[str, list] = {}   # key -> [count, first start, last end, every end]
     lock = threading.Lock()
     clock = [time.perf_counter()]
 
@@ -92,9 +93,10 @@ def child(variant: str, ckpt: str, device: str) -> dict:
             finally:
                 end = time.perf_counter()
                 with lock:
-                    s = spans.setdefault(key, [0, t, end])
+                    s = spans.setdefault(key, [0, t, end, []])
                     s[0] += 1
                     s[1], s[2] = min(s[1], t), max(s[2], end)
+                    s[3].append(end)
         setattr(cls, name, timed)
 
     for name in ("placement", "open_checkpoint", "prepare", "LoadInFlight"):
@@ -113,9 +115,11 @@ def child(variant: str, ckpt: str, device: str) -> dict:
         sync()
         stamp("done")
         del out
-        ms = {k: round((v - clock[0]) * 1e3, 3) for k, v in
-              (("pin0", spans.get("pin", [0, None])[1]), ("pinN", spans.get("pin", [0, 0, None])[2]),
-               ("read0", spans.get("read", [0, None])[1])) if v is not None}
+        pins = sorted(spans["pin"][3]) if "pin" in spans else []
+        marks = [("pin0", spans["pin"][1] if pins else None), ("pin1", pins[0] if pins else None),
+                 ("pin16", pins[15] if len(pins) >= 16 else None), ("pinN", pins[-1] if pins else None),
+                 ("read0", spans["read"][1] if "read" in spans else None)]
+        ms = {k: round((v - clock[0]) * 1e3, 3) for k, v in marks if v is not None}
         loads.append({"events": list(events), "spans": ms})
     return {"loads": loads}
 

@@ -16,9 +16,8 @@ from .errors import (CancelledError, ChecksumError, DeviceError, DeviceOutOfMemo
 
 __version__ = "0.1.0"
 
-# Everything else loads on first use (PEP 562), so ``import foxhunt_stream`` costs a few
-# milliseconds and imports neither numpy nor torch nor cupy; the first ``fs.load_file`` pays
-# for the modules it needs. Name -> the module that defines it.
+# Everything else loads on first use (PEP 562): ``import foxhunt_stream`` imports neither numpy,
+# torch nor cupy. Name -> the module that defines it.
 _LAZY = {
     "read_header": "io.checkpoint", "DistributedLoadError": "distributed.load", "VerifyReport": "integrity.verify",
     "verify": "integrity.verify", "LoadHandle": "engine.handle", "LoadIntoWarning": "engine.loader",

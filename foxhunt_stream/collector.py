@@ -1,9 +1,6 @@
-"""Python's cyclic garbage collector, held off while a load runs.
-
-A load's small objects (plan chunks, header entries) hold no cycles, yet their count starts
-collections: the first full one after ``import torch`` walks all of torch's objects (45 ms on the
-2-vCPU box). The switch is the process's: a collection that was due runs after. As a decorator it
-resumes once the call's own objects are freed (one right after a 1M-tensor load took 0.67 s).
+"""Python's cyclic garbage collector, held off while a load runs: a load's many small objects hold
+no cycles, yet start collections that walk all of torch's objects (45 ms on a 2-vCPU box). The
+switch is the process's: a due collection runs after (as a decorator, once the call's objects are freed).
 """
 
 from __future__ import annotations

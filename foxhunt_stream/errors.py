@@ -1,8 +1,6 @@
 """Exception types. Every malformed-file problem is a FormatError naming file, rule and tensor.
-
-``SafetensorError`` is the base of every error raised where ``safetensors`` raises its own, each
-subclass also keeping its builtin type (ValueError, KeyError...) as a second base; where the
-reference raises a builtin type, so do we.
+``SafetensorError`` subclasses keep the builtin type safetensors raises (ValueError...) as a second
+base; where safetensors raises a plain builtin type, so do we.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""numpy front end: drop-ins for ``safetensors.numpy`` (``save``, ``save_file``, ``load``,
-``load_file``), same signatures, arrays on the host.
-
-``save`` and ``save_file`` write the bytes safetensors writes (big-endian and non-contiguous
-arrays too), ``load_file`` takes ``foxhunt_stream.load_file``'s sources and options.
+"""numpy front end: drop-ins for ``safetensors.numpy``, same signatures, arrays on the host; ``save``
+writes safetensors' bytes (big-endian and non-contiguous arrays too), ``load_file`` takes any source.
 """
 
 from __future__ import annotations

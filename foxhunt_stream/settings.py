@@ -67,12 +67,8 @@ def _default_threads() -> int:
 
 
 def background_threads(threads: int) -> int:
-    """Workers of a background load when none were asked for: three quarters of the default.
-
-    The caller of ``load_file(background=True)`` keeps working (builds the model, runs the
-    forward that waits on the load), and with a worker on every CPU its thread waits for one
-    (benchmarks/RESULTS.md: on the 16-CPU H200 machine, the streamed startup was 0.11 s faster with
-    12 workers than with 16)."""
+    """Workers of a background load when none were asked for: three quarters of the default, so the
+    caller's thread (building the model, running its forward) finds a CPU (RESULTS.md)."""
     return max(1, threads * 3 // 4)
 
 
@@ -83,8 +79,8 @@ class Settings:
     chunk_bytes: int = 8 << 20       # a staging slot: the most one copy moves (a gathered column slice
                                      # fills it; 8 MiB) and the checksum block
     read_bytes: int = 4 << 20        # a load to a GPU reads and copies contiguous runs (tensors, row slices)
-                                     # of cached files in pieces of this much, at most chunk_bytes (4 MiB:
-                                     # best on the H200 machine); host loads and cold files: whole chunks
+                                     # of cached files in pieces of this much, at most chunk_bytes;
+                                     # host loads and cold files: whole chunks
     staging_bytes: int = 256 << 20   # pinned staging per device (slots = staging / chunk; 2 per worker)
     backend: Backend = "auto"        # positional reads, and the column slices of files in the page cache
                                      # gathered out of a mapping (io.read_policy)

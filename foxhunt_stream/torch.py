@@ -1,13 +1,8 @@
-"""torch front end: drop-ins for ``safetensors.torch`` (``load_file``, ``save_file``, ``load``,
-``save``, ``load_model``, ``save_model`` and the helpers other libraries import from it), same
-signatures, plus ``materialize`` for meta-built modules.
+"""torch front end: drop-ins for ``safetensors.torch`` (same signatures), plus ``materialize``.
 
-``load_model`` lands the weights in the module's own parameters and buffers (``load_into``), with
-no second copy; only tensors that cannot take the bytes as they are (another dtype, not
-contiguous...) go through a temporary and ``load_state_dict``. Shared tensors follow the
-reference's rules; non-contiguous tensors are saved (row by row), where the reference refuses
-them. Importing this module imports torch; the machinery is in ``models.torch_load`` and
-``models.torch_state``.
+``load_model`` lands the weights in the module's own tensors (``load_into``); only tensors that
+cannot take the bytes as they are go through ``load_state_dict``. Non-contiguous tensors are saved,
+where safetensors refuses them. Imports torch; the machinery is in ``models.torch_*``.
 """
 
 from __future__ import annotations
@@ -34,14 +29,12 @@ __all__ = ["load_file", "save_file", "load", "save", "load_model", "save_model",
            "materialize", "shared_aliases", "LoadModelError", "MaterializeWarning", "StreamedLoad", "safe_open",
            "TensorSpec", "serialize", "serialize_file", "deserialize"]
 
-# safetensors.torch's helpers under its names (transformers, accelerate, vLLM and
-# torch.distributed.checkpoint import them): public API there, and here
+# safetensors.torch's helpers under its names: transformers, accelerate, vLLM... import them
 _end_ptr = end_ptr
 _find_shared_tensors = find_shared_tensors
 _is_complete = is_complete
 _remove_duplicate_names = remove_duplicate_names
-# the format's dtype codes -> torch dtypes ("F32" -> torch.float32), every one torch has (callers
-# add entries of their own), and bytes per element
+# the format's dtype codes -> torch dtypes (callers add entries of their own), and bytes per element
 _TYPES: dict[str, torch.dtype] = {d.name: getattr(torch, d.torch_name) for d in DTYPES.values()
                                   if d.torch_name and hasattr(torch, d.torch_name)}
 _SIZE: dict[torch.dtype, int] = {t: t.itemsize for t in _TYPES.values()}

@@ -1,12 +1,9 @@
 """The built-in benchmark (``python -m foxhunt_stream bench``).
 
-It measures, in one run on the best device present (saying why a GPU it sees cannot be used),
-this machine's ceilings (``ceilings``), foxhunt_stream's load and save and safetensors' (with
-``peers=True`` also the peer loaders installed). Every load runs in a new process (``fresh``);
-every figure names the ceiling that does the same work (a load to a GPU: the slower of page
-cache -> pinned and pinned -> device; a save: a write of the same size by the same method). Each
-figure is the median of ``reps`` runs; GB/s = bytes / seconds / 1e9. With no source it writes a
-synthetic bf16 checkpoint with Llama-like shapes in a temporary directory.
+Measures this machine's ceilings (``ceilings``) and the loads and saves of foxhunt_stream and
+safetensors (``peers=True``: other loaders too), each load in a new process (``fresh``), each figure
+the median of ``reps`` runs beside the ceiling that does the same work. GB/s = bytes / s / 1e9.
+Without a source it writes a synthetic bf16 checkpoint with Llama-like shapes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""What this machine allows, measured in the same run as the figures compared with it, and the
-synthetic checkpoint that the benchmarks load. Each ceiling does the work of the figures it
-bounds minus the library's bookkeeping: a threaded memcpy, ``preadv`` of whole files, writes of a
-new file (``pwrite`` or mapped copies, fsync or not), one pinned host <-> device copy.
-"""
+"""What this machine allows, measured in the same run as the figures it bounds (a threaded memcpy,
+``preadv`` of whole files, new-file writes, pinned host <-> device copies), and the synthetic
+checkpoint that the benchmarks load."""
 
 from __future__ import annotations
 
@@ -76,12 +74,9 @@ def split_evenly(sizes: Sequence[tuple[str, int]], parts: int) -> list[list[str]
 
 def make_synthetic(directory: str, size_bytes: int | None = None, shards: int = 1, fsync: bool = False,
                    shapes: Shapes | None = None) -> str:
-    """Write a synthetic bf16 checkpoint into ``directory`` and return the source to load (the file,
-    or the directory when sharded, with its ``model.safetensors.index.json``).
-
-    ``shapes``: (name, shape) pairs, by default ``llama_shapes(size_bytes)``. The values are bf16
-    draws of N(0, 0.02) from one pool each tensor views at its own offset (memory: the largest).
-    """
+    """Write a synthetic bf16 checkpoint into ``directory``; returns the source to load (the file, or
+    the directory when sharded). ``shapes``: (name, shape) pairs, by default ``llama_shapes(size_bytes)``;
+    values are N(0, 0.02) draws from one pool each tensor views (memory: the largest tensor)."""
     from .. import save_file
 
     shapes = shapes if shapes is not None else llama_shapes(int(size_bytes or 0))

@@ -1,13 +1,7 @@
-"""One load in a new process, timed as a server meets it: ``run(case, ...)``.
-
-A server loads once per process, so ``run`` starts this file as a script in a new Python process
-(on a GPU its CUDA context made first, untimed), timed from before the loader's import until the
-tensors are on the device; the child prints one line of JSON, which ``run`` returns.
-
-Cases: ``foxhunt`` (then a second load, timed alone), ``tp_llama`` and ``tp_rows`` (rank 0 of
-TP=8), ``safetensors``, ``instanttensor``, ``kvikio`` (each file's raw data region into one GPU
-buffer), ``fastsafetensors`` (no GDS), ``ceiling`` (a pinned host -> device copy of 1 GiB). A
-peer that is not installed answers ``{"skipped": ...}``.
+"""One load in a new process, timed as a server meets it: ``run(case, ...)`` starts this file as a
+script (on a GPU its CUDA context made first, untimed), timed from the loader's import until the
+tensors are on the device; the child prints one line of JSON. Cases: ``CASES`` (``tp_*``: rank 0 of
+TP=8; ``ceiling``: a pinned host -> device copy of 1 GiB); a peer not installed is ``{"skipped": ...}``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Checksum blocks hashed where the bytes already are: xxh3-64 block digests on the GPU.
-
-Hashing on the host is one more read of every byte over the memory bandwidth the page-cache reads
-already use; on the GPU ``verify=True`` costs +1-5% of a hot 16 GB load against +33-47% on the
-host (docs/architecture.md, ``verify_on``). The digest is XXH3-64 with seed 0 and the default
-secret, written from the specification for inputs longer than 240 bytes (shorter blocks are
-hashed on the host) as a CUDA kernel (``spans_digests``), checked against python-xxhash.
+"""xxh3-64 checksum block digests on the GPU, where the bytes already are: on the host, hashing is
+one more read of every byte (``verify=True``: +1-5% of a hot load on the GPU, +33-47% on the host;
+docs/architecture.md). XXH3-64 (seed 0, default secret) of blocks over 240 bytes, a CUDA kernel
+(``spans_digests``) written from the specification and checked against python-xxhash.
 """
 
 from __future__ import annotations

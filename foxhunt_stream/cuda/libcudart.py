@@ -1,8 +1,5 @@
-"""The CUDA runtime library called through ctypes: the one torch has already loaded.
-
-``import torch`` (a CUDA build) maps the CUDA runtime library its wheels bring into the process.
-``LibCudart`` calls it under the names of cupy's wrapper of the runtime, so ``runtime.runtime()``
-may hand out either; ctypes releases the GIL around every call.
+"""The CUDA runtime library torch has already loaded, called through ctypes under the names of
+cupy's wrapper of it, so ``runtime.runtime()`` may hand out either; ctypes releases the GIL per call.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""Load once, share over torch.distributed: each rank reads only its part of a checkpoint.
+"""Load once, share over torch.distributed: each rank reads only its part (docs/tensor-parallel.md).
 
-``load_file(..., framework="pt", process_group=pg)`` on every rank of ``pg`` runs in four phases
-(docs/tensor-parallel.md): 1. agree on the selection (all-gathered; ``ownership.plan_exchange``
-splits what some rank wants whole across the ranks); 2. start each rank's reads of what it owns
-and of its own TP slices (``engine.loader.load_file(background=True)``), and allocate what it
-receives; 3. the owners broadcast in windows of at most ``exchange_bytes`` as their tensors land
-(a rank that fails from then on keeps taking part, sending or dropping junk); 4. agree on the
-outcome: an error on one rank raises ``DistributedLoadError`` on every rank. A rank that hangs
-or dies is bounded only by the process group's own timeout.
+Four phases: agree on the selection (``ownership.plan_exchange``); start each rank's reads of what
+it owns and of its TP slices, and allocate what it receives; the owners broadcast in windows of at
+most ``exchange_bytes`` as their tensors land (a rank that fails keeps taking part); agree on the
+outcome (``DistributedLoadError`` on every rank). A hung rank is bounded by the group's timeout.
 """
 
 from __future__ import annotations

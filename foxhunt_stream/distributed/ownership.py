@@ -1,8 +1,5 @@
-"""Who reads what in a distributed load, and which broadcasts share it. Pure functions, no I/O.
-
-Every rank runs these on the same gathered inputs and gets the same answer, so the ranks agree
-without a further round of messages: ``plan_exchange`` merges the selections, gives each tensor
-wanted whole one owner (``assign_owners``) and cuts what the owners send into windows.
+"""Who reads what in a distributed load, and which broadcasts share it. Pure functions, no I/O:
+every rank gets the same answer from the same gathered inputs, with no further messages.
 """
 
 from __future__ import annotations
@@ -42,11 +39,9 @@ class CheckpointMismatch(ValueError):
 
 
 def assign_owners(tensors: Iterable[tuple[str, int, str]], world_size: int) -> dict[str, int]:
-    """``{name: rank}`` for ``(name, nbytes, file_key)`` triples, balanced by bytes.
-
-    Largest first onto the least-loaded rank (lowest on a tie), equal sizes in (file basename,
-    name) order: every rank computes the same map, whatever order or directory the files came in.
-    """
+    """``{name: rank}`` for ``(name, nbytes, file_key)`` triples, balanced by bytes: largest first onto
+    the least-loaded rank (lowest on a tie), equal sizes in (file basename, name) order so every rank
+    computes the same map."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     unique: dict[str, tuple[int, str]] = {}
@@ -98,13 +93,9 @@ def _owner_windows(owner: int, tensors: Sequence[tuple[str, int]], window_bytes:
 
 
 def exchange_windows(tensors: Sequence[tuple[str, int, int]], window_bytes: int) -> list[Window]:
-    """The broadcasts that share ``(name, nbytes, owner)`` tensors (in the agreed order given).
-
-    Consecutive tensors of one owner are packed into windows of at most ``window_bytes`` (a
-    larger one cut into pieces); the owners take turns, one window each in rank order, so every
-    owner's reads are consumed as they go. Every byte is in exactly one window (zero-byte
-    tensors in none).
-    """
+    """The broadcasts that share ``(name, nbytes, owner)`` tensors (in the agreed order): an owner's
+    consecutive tensors packed into windows of at most ``window_bytes`` (a larger one cut), owners
+    taking turns in rank order. Every byte is in exactly one window (zero-byte tensors in none)."""
     if window_bytes < 1:
         raise ValueError(f"exchange window must be at least 1 byte, got {window_bytes}")
     by_owner: dict[int, list[tuple[str, int]]] = {}
@@ -148,13 +139,10 @@ class ExchangePlan:
 
 def plan_exchange(selections: Sequence[Mapping[str, TensorDesc]], window_bytes: int, rank: int,
                   sliced: Sequence[Collection[str]] | None = None) -> ExchangePlan:
-    """Rank ``rank``'s view of the plan for the gathered selections (one per rank).
-
-    ``sliced[r]``: the tensors rank r wants only its TP slice of, which it reads itself unless it
-    owns the tensor. Every tensor some rank wants whole gets one owner, which reads it whole;
-    only those wanted whole by another rank are broadcast. ``window_bytes`` must be the same on
-    every rank.
-    """
+    """Rank ``rank``'s view of the plan for the gathered selections (one per rank). ``sliced[r]``: the
+    tensors rank r wants only its TP slice of (it reads them itself unless it owns them). A tensor some
+    rank wants whole gets one owner, which reads it whole and broadcasts it if another rank wants it
+    whole. ``window_bytes`` must be the same on every rank."""
     union, _ = merge_selections(selections)
     sliced = [frozenset(s) for s in sliced] if sliced is not None else [frozenset()] * len(selections)
     wanted_whole: dict[str, set[int]] = {}

@@ -1,10 +1,6 @@
-"""The handle of a background load (``load_file(..., background=True)``).
-
-It holds the load in flight: ``wait(name)`` blocks on one tensor only, ``result()`` on all of
-them, ``done()`` polls and ``cancel()`` stops the workers, after which ``result()`` and
-``wait(name)`` raise ``fs.CancelledError``. The load's files are closed by the load itself once
-its last worker has stopped (``LoadInFlight``'s ``on_end``), however the handle is used: every
-tensor taken with ``wait(name)``, ``result()``, a cancel, or the handle dropped.
+"""The handle of a background load (``load_file(..., background=True)``): ``wait(name)``, ``result()``,
+``done()``, ``cancel()`` (then ``fs.CancelledError``). The load closes its own files when its last
+worker stops, however the handle is used or dropped.
 """
 
 from __future__ import annotations

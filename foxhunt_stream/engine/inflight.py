@@ -1,14 +1,10 @@
 """A load in flight: one plan executed by the pipeline into its destinations.
 
-``LoadInFlight`` is the one route of every load (``load_file``, ``load_into``, ``safe_open``, a
-background ``LoadHandle``, the ranks of a distributed load): the workers take the plan's chunks in
-order and a target (host or GPU) lands each; per destination it counts the chunks in and keeps the
-events of their copies, so a caller may wait for one tensor or for all. It also runs the
-allocating thread ahead of the workers and the cancellation, and ``finish`` waits for everything
-and leaves nothing half-done behind. When the last worker stops, the files are checked to be the
-ones whose headers were read and ``on_end`` runs (a load's own files are closed there: nothing
-reads them after). An optional ``LoadCheck`` (checksums: ``integrity.verifier.Verifier``) is a
-step the load calls per chunk and per destination; the load itself knows nothing of hashing.
+``LoadInFlight`` is the one route of every load: workers take the plan's chunks in order and a
+target lands each; per destination it counts the chunks in and keeps their copies' events, so a
+caller may wait for one tensor or all. It also runs the allocating thread and cancellation, and
+``finish`` leaves nothing half-done. When the last worker stops the files are checked and ``on_end``
+runs. An optional ``LoadCheck`` (checksums) is called per chunk and per destination.
 """
 
 from __future__ import annotations
@@ -77,8 +73,7 @@ class LoadInFlight:
         self._lock = threading.Lock()
         self._remaining = list(plan.chunks_per_dest)
         self._events: dict[int, list] = {}   # per destination with copies on a GPU: their events
-        # per destination, 1 once all its chunks are in; one condition for whoever waits on one
-        # (not an Event each: 291 of them cost ~1 ms of the caller before the first worker starts)
+        # per destination, 1 once all its chunks are in; one condition, cheaper than an Event each
         self._landed = bytearray(map(operator.not_, self._remaining))
         self._landing = threading.Condition(self._lock)
         threads = s.threads
@@ -86,8 +81,7 @@ class LoadInFlight:
             # every GPU worker holds a ring of at least one pinned slot until it runs out of work:
             # more workers than slots would leave some waiting for a slot until the others finish
             threads = min(threads, s.n_slots)
-        # a host worker holds one scratch slot at a time: more than `threads` is waste (and
-        # staging/chunk of them, e.g. 131072 with 4 KiB chunks, took seconds to allocate)
+        # a host worker holds one scratch slot at a time: more than `threads` is waste
         self._targets: dict[Device, Any] = {
             dev: (CudaTarget(dev.index, s.chunk_bytes, s.n_slots, threads) if dev.is_cuda
                   else HostTarget(s.chunk_bytes, min(s.n_slots, threads)))
@@ -102,13 +96,9 @@ class LoadInFlight:
                   s.staging_bytes, sorted({src.backend for src in sources}))
         self.job = Job(plan.chunks, self._work, threads, self._on_done, keepalive=keepalive,
                        teardown=self._worker_done, on_end=self._end)
-        # the allocator starts first so that it leads the workers; while it runs, the workers
-        # leave it a CPU (and one for the caller and the driver): on the 16-CPU H200 machine a
-        # row shard with 16 workers beside the allocator took 0.186-0.194 of a full load, with 14
-        # workers 0.159-0.161, and 16 workers with nothing to allocate (load_into) ~0.16 as well.
-        # The small tensors of a shared chunk are made by the worker landing it, after its read:
-        # the allocator would only contend with it for them (100k tensors of 16 bytes landed in
-        # 0.66 s beside it, in 0.23 s without)
+        # the allocator starts first so that it leads the workers, which leave it a CPU (and one
+        # for the caller and the driver) while it runs (RESULTS.md). A shared chunk's small tensors
+        # are made by the worker landing it: the allocator would only contend with it for them.
         order = plan.dest_order()
         self._allocator = (dests.allocate_ahead(order, self.job.stopping, then=self.job.release)
                            if len(order) > 1 else None)

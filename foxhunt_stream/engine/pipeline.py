@@ -1,8 +1,6 @@
-"""The pipeline: a few worker threads drain one list of work items, in order, with cancellation.
-
-Each worker calls ``work(worker, item)`` for the next item not yet taken, then ``on_done``; the
-first error cancels the rest and ``wait`` re-raises it; ``on_end`` runs once, on the last worker to
-stop. The workers are threads parked between jobs (``workers``), named ``{name}-{worker}``.
+"""The pipeline: parked worker threads (``workers``) drain one list of work items in order, calling
+``work(worker, item)`` then ``on_done``; the first error cancels the rest and ``wait`` re-raises it;
+``on_end`` runs once, on the last worker to stop.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Placement: where a load's tensors land and as which arrays, decided once at the front door:
-``placement(device, framework, device_map)`` checks the arguments before any file is opened and
-returns the ``Placement`` handed down the load (``for_names``: each tensor's device, and the
-framework that makes their arrays).
+"""Placement: where a load's tensors land and as which arrays, checked once at the front door
+(``placement``) before any file is opened, and handed down the load as a ``Placement``.
 """
 
 from __future__ import annotations

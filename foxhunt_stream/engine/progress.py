@@ -1,6 +1,5 @@
-"""Progress bars for long loads and saves (tqdm, the optional ``progress`` extra): with
-``progress=None`` a bar appears on a terminal once the operation has run for about a second,
-``True`` always draws one on stderr, ``False`` never; workers count bytes from several threads.
+"""Progress bars for long loads and saves (tqdm, the optional ``progress`` extra): ``progress=None``
+draws one on a terminal past about a second, ``True`` always (stderr), ``False`` never.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Resharding: rewrite a checkpoint into new shards, one output shard in memory at a time.
-
-``reshard`` hands the source's raw bytes, shard by shard, to the saver's ``save_sharded``: host
-memory peaks at one output shard, and the output holds the whole new checkpoint or nothing new.
+"""Resharding: the source's raw bytes handed shard by shard to the saver's ``save_sharded``, so host
+memory peaks at one output shard and the output holds the whole new checkpoint or nothing new.
 """
 
 from __future__ import annotations

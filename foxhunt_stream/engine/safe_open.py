@@ -1,9 +1,7 @@
 """``safe_open``: lazy, random access to a checkpoint, a drop-in for ``safetensors.safe_open``.
 
-The handle reads every header once and keeps the files open; ``get_tensor``, ``get_slice(...)[i]``
-and ``tensors()`` each run a load of just what they ask for, so unasked bytes are never read. A
-slice keeps working after the handle is closed, as in safetensors, and a close while a load runs
-keeps the files open until it is over (``SharedSources``): no load reads a closed descriptor.
+Every header is read once and the files kept open; each access loads just what it asks for. Slices
+outlive the handle, and a close during a load keeps the files open until it ends (``SharedSources``).
 """
 
 from __future__ import annotations
@@ -101,8 +99,7 @@ class safe_open:
             self._policies = []
         else:
             self._ck = open_checkpoint(opened)
-            # how each file is read is decided once, when it is opened, for any slice of any of its
-            # tensors: every later plan of this handle is cut for it (the files stay open as opened)
+            # how each file is read is decided once, here: every later plan of this handle is cut for it
             sizes = [h.file_size for h in self._ck.headers]
             self._policies = read_policies(self._ck.paths, sizes, range(len(sizes)), sizes, self._s, streams=False)
             sources = open_sources(self._ck, self._policies)

@@ -1,9 +1,8 @@
 """The saver: the loader's pipeline backwards. arrays -> (device -> pinned slot) -> file.
 
-The header is written first; then worker threads copy each chunk back (device chunks through the
-pinned ring) and write it at its offset, so host memory stays at a few chunks; the file appears
-atomically (``sink``). A sharded save (``save_file(max_shard_size=)``, ``save_sharded``) goes
-through one shard writer, ``_write_shards``.
+The header first, then workers write each chunk at its offset (device chunks through the pinned
+ring), so host memory stays at a few chunks; the file appears atomically (``sink``). Sharded saves
+go through one shard writer, ``_write_shards``.
 """
 
 from __future__ import annotations
@@ -195,8 +194,7 @@ def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None,
                   s.chunk_bytes, s.staging_bytes, sorted({str(src.device) for src in ordered}) or ["-"],
                   s.write_backend, fsync)
         if sink.backend in ("pwrite", "memory") and digests is None and all(src.host is not None for src in ordered):
-            # host bytes written by pwrite, which the kernel serializes per file: workers only cost
-            # (256 MiB, 2 vCPU: 0.86-0.91x of safetensors through the pool, 0.95x inline)
+            # host bytes by pwrite, which the kernel serializes per file: workers would only cost
             for item in items:
                 work(0, item)
         else:
@@ -238,11 +236,10 @@ def _shard_limit(max_shard_size: int | str) -> int:
 
 def _write_shards(sizes: Sequence[tuple[str, int]], produce: Callable[[list[str]], list[_Source]], directory: str,
                   limit: int, metadata, s: _settings.Settings, fsync: bool, spec, bar: Progress) -> list[str]:
-    """The shard writer: ``sizes`` grouped into shards of at most ``limit`` bytes, each group's
-    sources made by ``produce(names)`` only when its shard is written; every shard and the index
-    written to temp files, then committed together (``sink.commit_all``), the files of an earlier
-    save this one replaces removed (``_earlier_files``). Several shards carry one new save id
-    (``SAVE_KEY``). On any failure the old files are as they were. Returns the paths, index last."""
+    """The shard writer: ``sizes`` grouped into shards of at most ``limit`` bytes, each group's sources
+    made by ``produce(names)`` only when its shard is written; all shards (one new ``SAVE_KEY``) and the
+    index committed together (``sink.commit_all``), replacing an earlier save's files. On failure the
+    old files are as they were. Returns the paths, index last."""
     groups = split_shards(sizes, limit)
     files = shard_names(len(groups))
     metadata = {k: v for k, v in metadata.items() if k != SAVE_KEY} if metadata else metadata

@@ -1,8 +1,5 @@
-"""safetensors' low-level API: ``TensorSpec`` (a tensor as dtype, shape and a raw pointer),
-``serialize`` / ``serialize_file`` of such specs, and ``deserialize`` of bytes.
-
-Same names, arguments and results as ``safetensors`` 0.8.0; the saver writes the bytes, reading
-each spec straight from its host address (valid while the call runs, as in the reference).
+"""safetensors' low-level API (``TensorSpec``, ``serialize``, ``serialize_file``, ``deserialize``),
+same names, arguments and results as ``safetensors`` 0.8.0; specs are read from their host address.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Worker threads kept between jobs: a load or save wakes parked threads instead of starting new ones.
-
-``threading.Thread.start`` waits for the new thread's bootstrap under the GIL (the last worker of
-a short load began milliseconds after the first); waking a parked thread costs one lock release.
-A thread idle for ``KEEP_IDLE_S`` seconds exits; there is no upper bound (a task may wait on
-another); a forked child starts with none.
+"""Worker threads kept between jobs: waking a parked thread costs one lock release, where
+``Thread.start`` waits for the new thread's bootstrap under the GIL. A thread idle for
+``KEEP_IDLE_S`` exits; there is no upper bound (a task may wait on another); a forked child has none.
 """
 
 from __future__ import annotations

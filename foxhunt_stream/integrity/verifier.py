@@ -1,7 +1,5 @@
-"""The load's side of checksums: each tensor checked as it lands, against its stored digest.
-
-``Verifier`` is the load's ``LoadCheck`` step with ``verify=True``: chunks hashed on the worker
-threads as they are read, or tensors landing on a GPU hashed there once whole (``cuda.digest``).
+"""The load's side of checksums (``verify=True``): each tensor checked as it lands, hashed on the
+worker threads as read, or on its GPU once whole (``cuda.digest``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""``fs.verify``: check a checkpoint without a GPU, every header rule and every byte once.
-
-The same pieces as a load (plan, sources, the pipeline, the ``Verifier``), but the bytes go
-through a few scratch slots and are dropped once hashed: host memory stays at a few chunks
-whatever the checkpoint's size.
+"""``fs.verify``: check a checkpoint without a GPU, every header rule and every byte once, with a
+load's pieces but bytes dropped once hashed: host memory stays at a few chunks.
 """
 
 from __future__ import annotations

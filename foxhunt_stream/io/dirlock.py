@@ -1,10 +1,7 @@
-"""The advisory lock of a checkpoint directory: ``flock`` on the directory's own descriptor.
-
-A commit of several files (a sharded save: its shards, its index, the removal of an earlier
-save's files) holds it exclusively; a reader of an index holds it shared while it reads the index
-and the shards' headers, so it sees the files of one commit. Advisory: a writer that does not
-take it is not held back (the save id of ``format.shards`` catches the mix it can leave). Where
-the directory cannot be opened or the filesystem refuses ``flock`` on it, nothing is locked.
+"""The advisory lock of a checkpoint directory: ``flock`` on the directory's own descriptor. A commit
+of several files holds it exclusively, a reader of an index shared while it reads the index and the
+shards' headers, so it sees one commit's files (a writer that skips it is caught by the save id of
+``format.shards``). Where the directory cannot be opened or locked, nothing is locked.
 """
 
 from __future__ import annotations

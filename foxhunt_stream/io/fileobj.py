@@ -1,8 +1,6 @@
-"""Checkpoints given as Python objects instead of paths, which ``safe_open`` takes as
-``safetensors.safe_open`` and its ``_safe_open_handle`` do: a file object with a descriptor is
-read through the file behind it (by its ``name``, else ``/proc/self/fd/N``); one without is read
-with ``seek`` and ``read`` under a lock (a ``BytesIO`` in place, one that cannot seek whole,
-once); a ``memoryview`` or a ``bytearray`` is a checkpoint held in memory, read in place.
+"""Checkpoints given as Python objects, as ``safetensors.safe_open`` takes them: a file object with a
+descriptor is read through its file (its ``name``, else ``/proc/self/fd/N``), one without by
+``seek``/``read`` under a lock; a ``memoryview`` or ``bytearray`` is read in place.
 """
 
 from __future__ import annotations

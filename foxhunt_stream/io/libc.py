@@ -1,8 +1,6 @@
-"""The C library's calls that the I/O layer makes through ctypes, typed once and shared.
-
-ctypes releases the GIL for every call, so a long one (a munmap of a big mapping, a mincore)
-does not stop the process's other threads. A function the platform lacks (fallocate outside
-Linux) is simply not there: callers catch AttributeError and fall back.
+"""The C library's calls of the I/O layer through ctypes, typed once and shared. ctypes releases the
+GIL per call, so a long munmap or mincore does not stop other threads. A call the platform lacks is
+simply absent: callers catch AttributeError and fall back.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A read-only mapping of a whole file, out of which strided runs are gathered.
 
-A column slice ``x[:, a:b]`` is thousands of short rows, ``pitch`` apart: positional reads copy
-every covered byte, a strided copy out of a mapping touches only the rows (``touched_bytes``). A
-load maps each file once and its workers share the mapping; unmapping undoes every page a gather
-faulted in (20-200 ms for a TP=8 column shard of a 16 GB checkpoint on the H200 machine), so a
-used mapping is unmapped off the load's path by one thread (``_unmap_pending``).
+A column slice ``x[:, a:b]`` is thousands of short rows: positional reads copy every covered byte, a
+gather out of a mapping only the rows' pages (``touched_bytes``). Unmapping undoes every page a
+gather faulted in (tens of ms), so used mappings are unmapped off the load's path (``_unmap_pending``).
 """
 
 from __future__ import annotations
@@ -33,13 +31,9 @@ _unmapping_lock = threading.Lock()
 
 
 def touched_bytes(run: "Run", page: int = PAGE) -> int:
-    """The bytes of the ``page``-sized file pages that hold at least one byte of the run's rows,
-    clipped to the run's span (never more than a read of the whole span).
-
-    The pages a row adds to those of the rows before it depend only on where it starts within a
-    page, which repeats every ``page / gcd(pitch, page)`` rows: one period is counted, not every
-    row (a TP shard's run has thousands).
-    """
+    """The bytes of the ``page``-sized file pages holding at least one byte of the run's rows, clipped
+    to the run's span. A row's new pages depend only on where it starts within a page, which repeats
+    every ``page / gcd(pitch, page)`` rows: one period is counted, not every row."""
     if run.width <= 0 or run.height <= 0:
         return 0
     src, pitch, width = run.src, run.pitch, run.width
@@ -83,12 +77,9 @@ def page_extents(run: "Run", page: int = PAGE) -> Iterator[tuple[int, int]]:
 
 
 class FileMap:
-    """``size`` bytes of ``fd`` mapped shared and read-only.
-
-    Mapped and unmapped through libc (ctypes), not Python's ``mmap``, whose ``close`` holds the
-    GIL through the munmap: on the H200 machine that stalled the load's caller for 22 ms after a
-    TP=8 column shard (4 files). Views keep the mapping alive: they hold its buffer, and the
-    munmap runs when the last of them (or the map) is gone."""
+    """``size`` bytes of ``fd`` mapped shared and read-only, through libc rather than Python's ``mmap``,
+    whose ``close`` holds the GIL through the munmap (22 ms of the load's caller after a TP=8 shard).
+    Views hold its buffer: the munmap runs when the last of them (or the map) is gone."""
 
     def __init__(self, fd: int, size: int) -> None:
         self.size = size
@@ -163,10 +154,9 @@ def _release(addr: int, size: int, state: list) -> None:
 
 
 def _unmap_pending() -> None:
-    """Unmap the used mappings handed over, one after the other, until none is left: their pages
-    dropped first (MADV_DONTNEED, under the memory-map lock for reading) ``DROP_BYTES`` at a time,
-    so that the munmap, which holds it for writing, does not stall every thread that maps memory
-    (30 ms of the load's caller after a TP=8 column shard)."""
+    """Unmap the used mappings handed over until none is left, their pages dropped first
+    (MADV_DONTNEED) ``DROP_BYTES`` at a time, so that the munmap's hold of the memory-map lock does not
+    stall every thread that maps memory."""
     global _unmapper
     lib = _lib()
     while True:

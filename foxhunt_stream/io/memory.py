@@ -1,6 +1,5 @@
-"""Checkpoints in memory, through the interfaces the loader and the saver use for files: a source
-over a buffer read in place (``FileSource``'s interface), its validated header, and a sink that
-writes into a bytearray (``AtomicFile``'s), for ``safe_open`` of buffers, ``load`` and ``save``.
+"""Checkpoints in memory behind the loader's and saver's file interfaces: a source reading a buffer in
+place, its validated header, and a sink writing into a bytearray.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The page cache: what is resident, how to fill it without copying, and who is filling it.
-
-``resident_fraction`` counts a file's pages in the cache (``cachestat``, or a ``mincore`` sample); ``sendfile_to_null`` pulls a byte
-range into the cache with no copy; ``advise`` passes ``posix_fadvise`` hints. The registry at the
-end is how a prefetch and a load learn of each other without importing each other: the loader
-asks ``prefetching(path)`` and says ``loading(path)`` (the prefetch drops its pacing).
+"""The page cache: what is resident (``resident_fraction``), filling it without a copy
+(``sendfile_to_null``), ``posix_fadvise`` hints, and a registry through which a prefetch and a load
+learn of each other without importing each other (``prefetching(path)``, ``loading(path)``).
 """
 
 from __future__ import annotations
@@ -54,11 +51,10 @@ def _null_fd() -> int:
 
 
 def sendfile_to_null(fd: int, offset: int, length: int, step: int = 64 << 20) -> int | None:
-    """Pull ``[offset, offset+length)`` of ``fd`` into the page cache without copying it anywhere
-    (``sendfile`` into ``/dev/null``), one call per ``step`` bytes, each releasing the GIL for all
-    of it (readers that take it back per 1 MiB ``pread`` slowed ``stat``-heavy imports several
-    times). Returns the bytes warmed (fewer at end of file, or where ``sendfile`` stopped part
-    way), or None where ``sendfile`` cannot do this: read through a buffer then."""
+    """Pull ``[offset, offset+length)`` of ``fd`` into the page cache with ``sendfile`` into
+    ``/dev/null``, one call per ``step`` bytes, each releasing the GIL for all of it (per-MiB ``pread``s
+    slowed ``stat``-heavy imports). Returns the bytes warmed (fewer at end of file or where ``sendfile``
+    stopped), or None where ``sendfile`` cannot do this: read through a buffer then."""
     null = _null_fd() if _devnull != -1 else -1
     if null < 0:
         return None

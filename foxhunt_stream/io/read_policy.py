@@ -1,15 +1,11 @@
 """How each file of a load is read, decided once per load from one sample of its page-cache
-residency, and passed down as a value (``ReadPolicy``): the plan cuts the file's chunks by it and
-its source opens by it (docs/architecture.md, ``direct_io`` and ``backend``).
+residency and passed down as a ``ReadPolicy`` (docs/architecture.md, ``direct_io`` and ``backend``).
 
-Through the page cache, which makes a restart hot (44-49 GB/s against about 2 GB/s from the disk
-on the H200 machine), or around it with O_DIRECT for what would not stay there: with
-``direct_io="auto"`` a file goes through the cache while what the load takes from it fits in
-``KEEP_FRACTION`` of the memory available (``MemAvailable``, capped by the cgroup's headroom),
-resident files counted first; a file a prefetch is filling, or mostly resident, always does.
-Read through the cache, a cached file holding a column slice is also mapped and gathered
-(``backend="auto"``, ``io.mapping``); a cold one is read in whole slots, as sequential streams,
-each range passed through the cache once more (``FileSource.promote``).
+Through the page cache, which makes a restart hot, or around it with O_DIRECT for what would not
+stay: with ``direct_io="auto"`` a file goes through the cache while what the load takes fits in
+``KEEP_FRACTION`` of the available memory (resident files first); one a prefetch is filling, or
+mostly resident, always does. A cached file with a column slice is mapped and gathered; a cold one
+read in whole slots as sequential streams, each range passed through the cache once more.
 """
 
 from __future__ import annotations
@@ -28,9 +24,8 @@ MOSTLY_RESIDENT = 0.5    # a file this much in the cache already is read through
 UNLIMITED = 1 << 60      # cgroup v1 writes "no limit" as a number near 2**63
 GATHER_RESIDENT = 0.9    # a file at least this much in the cache gathers its column slices out of a mapping
 COLD_RESIDENT = 0.5      # a file read through the cache with less than this of it there comes from the disk
-# A cold file read through the cache is read as up to ``threads`` sequential streams, a descriptor
-# each, at most this many a load (after one, the next start's TP=8 column shard took 0.22-0.24 of
-# the full load, against 0.34-0.36 after a cold load through one descriptor per file).
+# Descriptors at most per load for a cold file's sequential streams (up to ``threads`` a file),
+# which make the next start's reads faster than one descriptor per file (RESULTS.md).
 STREAM_FDS = 256
 
 
@@ -125,11 +120,9 @@ def keep_in_cache(needs: Sequence[int], resident: Sequence[float], available: in
 
 
 def cgroup_headroom(limit: str, usage: str, stat: str) -> int | None:
-    """Pure: the memory a cgroup's limit leaves its processes, page cache included: the limit,
-    minus the usage, plus the cgroup's own page cache. The cache is counted in the usage but
-    can be reclaimed. The inputs are the texts of ``memory.max``, ``memory.current`` and
-    ``memory.stat`` (v2), or ``memory.limit_in_bytes``, ``memory.usage_in_bytes`` and
-    ``memory.stat`` (v1). Returns None for no limit."""
+    """Pure: the memory a cgroup's limit leaves its processes: the limit, minus the usage, plus the
+    cgroup's own (reclaimable) page cache, from the texts of ``memory.max``, ``memory.current``,
+    ``memory.stat`` (v2) or their v1 counterparts. None for no limit."""
     limit = limit.strip()
     if not limit or limit == "max" or int(limit) >= UNLIMITED:
         return None

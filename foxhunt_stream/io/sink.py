@@ -1,10 +1,6 @@
-"""Sinks: a file that appears atomically (temp file, positional writes, fsync, rename) or not at
-all, and a set of files (a sharded checkpoint and its index) that appears together (``commit_all``).
-
-Temp files are named ``.<target>.foxhunt-tmp.<pid>.<random>`` (never ``*.safetensors``). The
-writer holds an exclusive ``flock`` on its temp file until its commit or abort, and
-``clean_stale_temps`` removes only the temps whose lock it can take (no live writer, in any PID
-namespace).
+"""Sinks: a file that appears atomically (temp file, positional writes, fsync, rename) or not at all,
+and a set of files that appears together (``commit_all``). Temp files (``.<target>.foxhunt-tmp.<pid>.<random>``,
+never ``*.safetensors``) are ``flock``ed by their writer: ``clean_stale_temps`` removes only unlocked ones.
 """
 
 from __future__ import annotations
@@ -29,9 +25,7 @@ from .libc import libc
 TEMP_MARK = ".foxhunt-tmp."
 MAP_MIN_BYTES = 64 << 20   # "auto" maps files at least this large...
 MAP_MIN_WRITERS = 8        # ...written by at least this many threads (parallel copies must beat one pwrite)
-# An unlocked temp file that is still empty and younger than this may belong to a writer between
-# creating and locking it (it locks before it sizes the file): clean_stale_temps keeps it.
-FRESH_SECONDS = 2.0
+FRESH_SECONDS = 2.0        # an empty unlocked temp this young may be its writer's, not yet locked
 
 # Test-only fault injection: called as hook(sink, offset, length) before each write; may raise.
 fault_hook: Callable[["AtomicFile", int, int], None] | None = None
@@ -74,12 +68,9 @@ def _in_memory_fs(directory: str) -> bool:
 class AtomicFile:
     """Write a file of known size at ``path`` through a temp file; ``commit`` publishes it.
 
-    Two ways to put bytes in it: ``pwrite`` (positional writes, serialized by the kernel per
-    file), or ``mmap`` (the space reserved with fallocate first, so that a full disk fails here
-    and not as a SIGBUS, then each write copies into a mapping of its own window). ``auto`` maps
-    files of at least 64 MiB on tmpfs/ramfs written by at least 8 threads (``writers``): a fresh
-    /dev/shm file took 2.5-3.0 GB/s by pwrite and 5.3-6.0 GB/s by mmap on the H200 machine, while
-    with 2 writers mmap was 1.3-9x slower (docs/architecture.md, ``write_backend``).
+    By ``pwrite`` or ``mmap`` (space reserved by fallocate first, so a full disk fails here and not as
+    a SIGBUS). ``auto`` maps files of at least 64 MiB on tmpfs/ramfs written by at least 8 threads,
+    where mapped copies beat the kernel's per-file serialized pwrite (docs/architecture.md).
     """
 
     def __init__(self, path: str | os.PathLike, size: int, fsync: bool = True, backend: str = "auto",
@@ -287,15 +278,12 @@ def _undo_publish(path: str, existed: bool, backup: str | None) -> None:
 
 
 def commit_all(files: Sequence[AtomicFile], replaces: Callable[[], Iterable[str]] | None = None) -> None:
-    """Publish several files as one, in order (an index last), under the exclusive lock of
-    their directory (``dirlock``), which readers of an index take shared: a reader sees the set
-    before the commit or after it, and two commits into one directory run one after the other.
+    """Publish several files as one, in order (an index last), under their directory's exclusive lock
+    (``dirlock``): readers see the set before or after, and commits into one directory run in turn.
 
-    Every file is sealed first (fsync's failures come before any rename). Then, with the lock
-    held, each file is renamed into place and the files of an earlier version it replaces
-    without overwriting them (``replaces()``) are moved aside. If a rename fails, the ones done
-    are undone from hard links and moved names, every temp file is removed and the directory
-    holds what it held before; on success the links and moved files go.
+    All files are sealed first (fsync failures before any rename); each is then renamed into place and
+    the earlier files it replaces moved aside (``replaces()``). A failed rename is undone from hard
+    links and moved names, leaving the directory as it was; on success the links and moved files go.
     """
     published: list[tuple[str, bool, str | None]] = []
     directories = sorted({os.path.dirname(f.path) for f in files})
@@ -335,11 +323,9 @@ def commit_all(files: Sequence[AtomicFile], replaces: Callable[[], Iterable[str]
 
 
 def clean_stale_temps(directory: str | os.PathLike) -> list[str]:
-    """Remove the temp files in ``directory`` that no save is writing: those whose lock (a writer
-    holds an exclusive ``flock`` on its temp file from its creation to its commit or abort) can
-    be taken at once. A temp that is still empty and younger than ``FRESH_SECONDS`` is kept:
-    its writer may be between creating and locking it. Runs under the directory's shared lock,
-    so it never sees a commit's links to the files it replaces. Returns the paths removed."""
+    """Remove the temp files in ``directory`` whose writer's ``flock`` can be taken at once (no save is
+    writing them), keeping those empty and younger than ``FRESH_SECONDS``. Runs under the directory's
+    shared lock, so it never sees a commit's links. Returns the paths removed."""
     directory = os.fspath(directory)
     removed = []
     with dirlock.locked(directory, shared=True):

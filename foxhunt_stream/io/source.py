@@ -1,12 +1,9 @@
-"""Sources: read byte ranges of a file into host memory.
+"""Sources: read byte ranges of a file into host memory, through one small interface.
 
-Backends behind one small interface: ``pread`` (``os.preadv``: releases the GIL, and a truncated
-file is a short read, never a SIGBUS; a strided run is read as its whole row span); ``auto``
-(``pread``, and the file also mapped so that a strided run is gathered row by row); ``mmap``
-(every read a copy out of the mapping); ``direct`` (``O_DIRECT`` reads of page-aligned spans,
-bypassing the page cache). A cold file may be read as a few sequential streams, a descriptor
-each (``FileSource.read_in_streams``; docs/architecture.md, ``direct_io``). Every source counts
-what it read (``bytes_read``), which tests use to prove that unselected bytes are never read.
+Backends: ``pread`` (``os.preadv``: releases the GIL; a truncated file is a short read, not a
+SIGBUS); ``auto`` (``pread``, and the file mapped to gather strided runs); ``mmap``; ``direct``
+(``O_DIRECT``). Every source counts what it read (``bytes_read``), which tests use to prove that
+unselected bytes are never read.
 """
 
 from __future__ import annotations
@@ -27,13 +24,11 @@ if TYPE_CHECKING:   # numpy is imported where it is used: a prefetch starts its 
 ALIGN = 4096
 BACKENDS = ("auto", "pread", "mmap", "direct")
 
-# Test-only fault injection: when set, called as hook(source, offset, length) before each read
-# (a gather: once per extent of the pages it touches). It may raise (EIO...) or return a byte
-# count to cut the read short. None costs one comparison.
+# Test-only fault injection: hook(source, offset, length) before each read (a gather: per extent of
+# its pages); it may raise (EIO...) or return a byte count to cut the read short.
 fault_hook: Callable[["FileSource", int, int], int | None] | None = None
 
-# Bytes read by every source of this process. load_file's sources are private and closed when it
-# returns, so tests and benchmarks diff this around a load to see what it read (and did not).
+# Bytes read by every source of this process: tests and benchmarks diff it around a load.
 _total_lock = threading.Lock()
 _total_read = 0
 
@@ -65,9 +60,8 @@ class FileSource:
     backend = "pread"
     direct_reads = True   # can read straight into any host buffer (no alignment constraints)
     identity: tuple | None = None   # file_identity when its header was read (set by the loader)
-    # Read from the disk into the page cache: each range passed through the cache once more
-    # (sendfile to /dev/null), so the kernel moves its pages to its active list now and a restart
-    # reads them hot (without it, the load after a cold one ran at 0.68x a later one).
+    # Read from the disk: each range passed through the cache once more, so the kernel moves its
+    # pages to its active list now and a restart reads them hot.
     promote: bool = False
 
     def __init__(self, path: str | os.PathLike, expected_size: int | None = None, gather: bool = False) -> None:
@@ -105,11 +99,9 @@ class FileSource:
         return os.fstat(self.fd).st_size
 
     def read_in_streams(self, streams: int) -> None:
-        """Read each of ``streams`` equal stretches of the file (``stream_of``) through a
-        descriptor of its own, opened on its first read (module doc: for a cold file, so that the
-        kernel reads ahead per stretch). The descriptors reopen this open file through
-        ``/proc/self/fd``, so they read the same inode whatever happened to the path; where that
-        cannot be done, a stretch is read through ``fd``."""
+        """Read each of ``streams`` equal stretches of the file (``stream_of``) through a descriptor of its
+        own, so the kernel reads ahead per stretch, reopened through ``/proc/self/fd`` on first read (the
+        same inode whatever happened to the path); where that fails, a stretch is read through ``fd``."""
         if streams > 1 and self.fd >= 0:
             self._stream_fds = [-1] * streams
 

@@ -1,9 +1,6 @@
-"""transformers' ``from_pretrained`` with the bytes from a foxhunt_stream background load.
-
-The model is built, matched, initialised, tied and reported by transformers' own functions
-(``hf_build``, ``hf_match``) while the load runs, and returned once every tensor has landed. On
-CUDA a one-token forward runs meanwhile (``warm_up``), so the first forward's one-time costs
-overlap the load. What this path cannot serve goes to transformers' own from_pretrained.
+"""transformers' ``from_pretrained`` with the bytes from a foxhunt_stream background load: the model is
+built, matched, initialised and tied by transformers' own functions while the load runs (on CUDA
+with a one-token ``warm_up`` forward meanwhile); what this path cannot serve goes to transformers.
 """
 
 from __future__ import annotations
@@ -141,10 +138,9 @@ def values_needed_to_tie(model, plan: KeyPlan) -> list[str]:
 
 
 def finalize(model, plan: KeyPlan, device: torch.device, shown: str, ignore_mismatched_sizes: bool) -> None:
-    """transformers' ``_finalize_model_loading``, with the tensors still to land flagged as loaded:
-    missing keys and non-persistent buffers get storage on ``device`` and are initialised by the
-    model's own ``_init_weights`` (rotary tables, position ids, masks...), tied weights are tied,
-    and the load report is logged (a shape mismatch raises here, before any wait)."""
+    """transformers' ``_finalize_model_loading``, the tensors still to land flagged as loaded: missing
+    keys and non-persistent buffers get storage on ``device`` and the model's own ``_init_weights``,
+    weights are tied and the load report logged (a shape mismatch raises here, before any wait)."""
     info = plan.info
     try:
         model.mark_tied_weights_as_initialized(info)

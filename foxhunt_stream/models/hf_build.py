@@ -1,6 +1,5 @@
-"""The model on the meta device, built the way transformers' ``from_pretrained`` builds it: the
-config, the class, the dtype and the model under ``get_init_context`` (ties not yet made), each
-decided by transformers' own functions.
+"""The model on the meta device, built as transformers' ``from_pretrained`` builds it (config, class,
+dtype, ``get_init_context``; ties not yet made), each step by transformers' own functions.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Which checkpoint tensor fills which tensor of a transformers model, decided from the headers.
-
-transformers' own rules (``convert_and_load_state_dict_in_model``): each name goes through the
-model's weight renamings and the add/strip of its ``base_model_prefix``; a name the model does
-not have is unexpected, a model tensor no name fills is missing, a shape that differs is
-mismatched (and not loaded). A name that needs a weight *converter* (several tensors fused into
-one, one split into several) is beyond a name-to-tensor plan: Unservable.
+"""Which checkpoint tensor fills which tensor of a transformers model, from the headers, by
+transformers' own rules (``convert_and_load_state_dict_in_model``: weight renamings, the
+``base_model_prefix``; unexpected, missing, mismatched). A name that needs a weight *converter*
+(fused or split tensors) is Unservable.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Where a Hugging Face checkpoint is, and whether the streamed ``from_pretrained`` can serve it.
-
-No torch, no transformers (``config.json`` read as plain JSON), so the load can start before
-either is imported. What this path cannot serve is named here (``Unservable``).
+"""Where a Hugging Face checkpoint is, and whether the streamed ``from_pretrained`` can serve it
+(``Unservable``). No torch, no transformers: the load can start before either is imported.
 """
 
 from __future__ import annotations

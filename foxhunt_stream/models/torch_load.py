@@ -1,7 +1,5 @@
-"""Loading a checkpoint into a torch module: ``load_model``'s machinery.
-
-The weights land in the module's own tensors (``load_into``), or a background load's tensors
-are handed to the module; ``StreamedLoad`` lets the first forward start before the load is done.
+"""``load_model``'s machinery: the weights land in the module's own tensors (``load_into``), or a
+background load's tensors are handed over, with ``StreamedLoad`` before the load is done.
 """
 
 from __future__ import annotations
@@ -195,12 +193,9 @@ def _load_from_handle(model: torch.nn.Module, handle, strict: bool, wait: bool):
 class StreamedLoad:
     """``load_model(model, handle, wait=False)``: the model runs before its weights have landed.
 
-    Each module that owns tensors of the file gets a forward pre-hook that waits for just those,
-    hands them over as ``load_model`` does and removes itself, so the first forward's one-time
-    costs overlap the load. ``wait()`` hands over the rest; after it the model is what
-    ``load_model(model, handle)`` gives. A load error is raised by the forward that needs the
-    failed tensor, and by ``wait()``; until then, tensors of modules that have not run are still
-    on the meta device.
+    Each module owning tensors of the file gets a forward pre-hook that waits for just those, hands them
+    over as ``load_model`` does and removes itself; ``wait()`` hands over the rest. A load error is
+    raised by the forward needing the failed tensor, and by ``wait()``.
     """
 
     def __init__(self, model: torch.nn.Module, handle, store: dict, missing: set[str], unexpected: list[str]) -> None:

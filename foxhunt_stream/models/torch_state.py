@@ -1,9 +1,6 @@
-"""torch module state: which tensors share memory, and putting new tensors into a module.
-
-The shared-tensor rules are safetensors' own (``find_shared_tensors``, ``remove_duplicate_names``,
-``check_savable``; ``foxhunt_stream.torch`` exports them under safetensors' names).
-``tensor_places`` finds every slot a parameter or buffer sits in, so that replacing it keeps tied
-tensors tied and parameters parameters.
+"""torch module state: safetensors' shared-tensor rules (``find_shared_tensors``,
+``remove_duplicate_names``, ``check_savable``), and ``tensor_places``, every slot a tensor sits in,
+so that replacing it keeps tied tensors tied and parameters parameters.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The code a start imports, read before the weights (``prefetch(..., imports=, modules=)``).
-
-``TracedCodeReader`` reads an import trace's files, or whole packages, with 8 hinted readers,
-stats their directories and inodes beside them, then runs what follows (the weights' readers).
-Imports no numpy: the readers fetch numpy's own files while the caller imports it.
+"""The code a start imports, read before the weights: ``TracedCodeReader`` reads a trace's files or
+whole packages and stats their directories and inodes, then starts the weights' readers. No numpy:
+the readers fetch numpy's files while the caller imports it.
 """
 
 from __future__ import annotations
@@ -100,8 +98,7 @@ class TracedCodeReader:
         try:
             files, dirs = code_files(modules, imports)
             if skip_resident and files and sample_resident([p for p, _ in files]):
-                # a hot start: thousands of small opens and stats would only cost the
-                # importing thread GIL hand-offs; big files are still checked one by one
+                # a hot start: small files' opens and stats would only cost the importer GIL hand-offs
                 files, dirs = [(p, r) for p, r in files if r[-1][1] >= SMALL_FILE], []
             if (files or dirs) and not self.cancelled():   # directories and inodes on their own thread
                 self.metadata_thread = threading.Thread(

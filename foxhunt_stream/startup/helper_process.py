@@ -1,12 +1,9 @@
-"""A prefetch's checkpoint reads in a child process (``prefetch(..., helper_process=True)``).
-
-Reader threads in the importing process take its GIL back after every ``sendfile`` call (cold,
-``import transformers`` took 15-16 s beside them, 7.2-7.8 s without), so ``ChildJob`` runs the
-same readers on the same pieces in ``python -m foxhunt_stream.startup.helper_process``.
+"""A prefetch's checkpoint reads in a child process (``helper_process=True``): reader threads in the
+importing process take its GIL back after every ``sendfile``, slowing the imports about twofold.
 
 The protocol, one line each way: the parent writes the job as JSON, then ``fast`` when a load
-begins; closing the child's stdin stops it. The child writes ``d i,j,...`` for the pieces it
-finished (in batches of about ``report_bytes``) and ``e {json}`` for the error that stopped it.
+begins; closing the child's stdin stops it. The child writes ``d i,j,...`` for pieces finished
+(in batches of about ``report_bytes``) and ``e {json}`` for the error that stopped it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The code a start reads, so that a prefetch can read it first on the next start (docs/startup.md).
-
-Two ways to know it: ``module_files(packages)``, every shared library and bytecode file of the
-named packages (coarse: GBs for torch), or an import trace that ``record_imports(path)`` writes at
-the end of one start (``loaded_files``) and ``read_trace(path)`` gives back to the next start's
-``prefetch(..., imports=path)``. Directory listings and inodes are fetched ahead too
-(``prefetch_metadata``, ``prefetch_record_metadata``).
+"""The code a start reads, for the next start's prefetch to read first (docs/startup.md): every
+library and bytecode file of named packages (``module_files``), or an import trace that
+``record_imports`` writes and ``read_trace`` gives back; directory listings and inodes too.
 """
 
 from __future__ import annotations
@@ -401,10 +397,8 @@ def prefetch_metadata(files: Sequence[str], dirs: Sequence[str] = (), stop=None)
 
 
 def dist_records(files: Sequence[str]) -> list[str]:
-    """The ``RECORD`` files of installed distributions among ``files``. ``importlib.metadata``'s
-    ``Distribution.files`` reads one and then stats every file it lists (``packages_distributions()``
-    does so for each distribution without a ``top_level.txt``; transformers calls it at import):
-    cold, ~1.2-5 s of ``import transformers`` waited for those inodes."""
+    """The ``RECORD`` files of installed distributions among ``files``: ``Distribution.files`` (called
+    at ``import transformers``) stats every file one lists, seconds of a cold import."""
     return [p for p in files if os.path.basename(p) == "RECORD" and os.path.dirname(p).endswith(".dist-info")]
 
 

@@ -1,12 +1,8 @@
 """Filling the page cache with a checkpoint before its load: ``prefetch`` (docs/startup.md).
 
-``prefetch(source)`` needs neither torch nor cupy, so it can be a server's first statement:
-readers (``readers.PieceReaders``) pull the selected bytes into the page cache, and a later load
-finds them there (the two meet through ``pagecache``). The code the imports need is read first
-(``code_files``), then the weights with a shallow queue until the load begins. With an import
-trace and ``wait_imports()``, a cold start of ``fs.transformers.from_pretrained`` took 0.83 s
-more than imports, CUDA and the empty model alone, against 12.95 s more for transformers'
-(``benchmarks/RESULTS.md``, startup).
+Needs neither torch nor cupy, so it can be a server's first statement: readers pull the code
+the imports need (``code_files``), then the weights, into the page cache, where a later load
+finds them (``pagecache``).
 """
 
 from __future__ import annotations
@@ -43,10 +39,8 @@ PRIORITIES = ("idle", "normal")
 DEFAULT_THREADS = 8    # readers when the caller names none (at most the loader's thread count)
 IDLE_THREADS = 8       # ... with priority="idle", in the helper process: 8 x 1 MiB queued at most
 IDLE_THREADS_IN_PROCESS = 2   # ... in this process (helper_process=False): each takes our GIL back per step
-# How idle readers read the checkpoint until a load of it begins: sendfile with the kernel's
-# readahead (up to twice read_ahead_kb queued per reader), sendfile with the files advised
-# POSIX_FADV_RANDOM (one step queued), or the same through a buffer. A cold start with an import
-# trace took 15.8-16.2 s with "sendfile-no-readahead" against 20.0-25.4 s with readahead (H200).
+# How idle readers read until a load begins: sendfile with or without the kernel's readahead, or
+# pread through a buffer; without readahead a cold start took 16 s, not 20-25 s (RESULTS.md).
 IDLE_READ_MODE = "sendfile-no-readahead"
 IDLE_READ_MODES = ("sendfile-readahead", "sendfile-no-readahead", "pread-no-readahead")
 
@@ -158,16 +152,14 @@ class PrefetchHandle:
         return self._bytes_done
 
     def _first_step(self) -> int:
-        """Bytes per read until a load of the files begins: small for idle or paced readers (cold,
-        ``import transformers`` took 16.3 s beside 64 MiB steps, 9.5 s beside 4 MiB ones)."""
+        """Bytes per read until a load begins: small for idle or paced readers (they share the disk with the imports)."""
         if self.priority != "idle" and self._max_rate is None:
             return FAST_BYTES
         return IDLE_STEP if self._helper and self._no_readahead else PACED_BYTES
 
     def _threads_job(self) -> Job:
-        """The checkpoint's readers as threads of this process, each piece hinted ``WILLNEED``
-        but not at idle priority (4 readers' 8 MiB hints made a cold ``import transformers`` take
-        21.7 s instead of 9.6 s)."""
+        """The checkpoint's readers as threads of this process; pieces hinted ``WILLNEED`` except at
+        idle priority (the hints slow the imports beside them)."""
         readers = PieceReaders(self._sources, lambda: self._job.cancelled(), step=self._first_step(),
                                fast_step=FAST_BYTES, idle=self.priority == "idle",
                                hint=self._method == "advise" or self.priority != "idle",
@@ -282,8 +274,7 @@ class PrefetchHandle:
             raise RuntimeError(f"prefetch ended before {name!r} was read")
 
     def wait_imports(self, timeout: float | None = None) -> None:
-        """Block until the code files are read and their metadata prefetched (cold, ``import torch,
-        transformers`` then took 12.9-13.5 s against 16.3-18.4 s with nothing read ahead)."""
+        """Block until the code files are read and their metadata prefetched."""
         if self._code is not None:
             self._code.wait(timeout)
 
@@ -342,8 +333,7 @@ def prefetch(source, names: Names = None, *, method: str = "read", skip_resident
     """
     helper_process = _check_arguments(method, priority, max_rate, helper_process, modules)
     s = _settings.merge(**options)
-    # A disk streams sequentially with a few readers (each has a whole piece in flight); more
-    # would only compete with the imports running meanwhile for the same disk and cores.
+    # A few readers stream a disk; more would compete with the imports for disk and cores.
     default = (IDLE_THREADS if helper_process else IDLE_THREADS_IN_PROCESS) if priority == "idle" else DEFAULT_THREADS
     threads = s.threads if options.get("threads") else min(default, s.threads)
     code = None

@@ -1,10 +1,6 @@
-"""The page-cache reader: how every read of ``startup/`` brings a file's bytes into memory.
-
-One loop, ``read_range``, serves the checkpoint's readers (``PieceReaders``, in this process or
-the helper process) and the code files' (``code_files``): each step is one
-``FileSource.fill_cache`` call (``sendfile`` into /dev/null, else ``pread`` into a scratch
-buffer); the callers differ only in its parameters. Imports no numpy: the code readers start
-before the caller has imported it.
+"""The page-cache reader: ``read_range`` serves the checkpoint's readers (``PieceReaders``, here or
+in the helper process) and the code files', one ``FileSource.fill_cache`` per step. No numpy: the
+code readers start before the caller has imported it.
 """
 
 from __future__ import annotations

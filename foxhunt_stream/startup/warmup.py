@@ -1,6 +1,5 @@
 """Paying a load's first-use costs before the load (``warmup``): the CUDA runtime's import, the
-context, the pinned staging pool and the streams, now or on a thread beside the caller's next
-steps. The page cache is ``prefetch``'s business.
+context, the pinned staging pool and the streams, now or on a thread.
 """
 
 from __future__ import annotations

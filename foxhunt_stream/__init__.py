@@ -66,8 +66,7 @@ def __getattr__(name: str):
         globals()[name] = value   # next time: a plain attribute
         return value
     if not name.startswith("_"):
-        # submodules: ``fs.settings``, ``fs.source``...; ``fs.torch`` (the safetensors.torch
-        # drop-ins) imports torch, so it too only loads when asked for
+        # submodules (``fs.settings``...); ``fs.torch`` imports torch, so it too loads only when asked for
         try:
             return importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as e:

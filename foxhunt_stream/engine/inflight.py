@@ -62,8 +62,7 @@ class LoadInFlight:
                  progress: Progress = NO_PROGRESS, per_dest: bool = False,
                  on_end: Callable[[], None] | None = None) -> None:
         self.plan = plan
-        # per_dest: the caller takes tensors one by one as they land (tensors(), a background
-        # handle): a check hashes each as it lands rather than all at the end
+        # per_dest: the caller takes tensors as they land, so a check hashes each as it lands
         self.per_dest = per_dest
         self.progress = progress
         self.check = check
@@ -78,8 +77,7 @@ class LoadInFlight:
         self._landing = threading.Condition(self._lock)
         threads = s.threads
         if any(dev.is_cuda for dev in dests.devices):
-            # every GPU worker holds a ring of at least one pinned slot until it runs out of work:
-            # more workers than slots would leave some waiting for a slot until the others finish
+            # each GPU worker holds at least one pinned slot until its work runs out: no more workers than slots
             threads = min(threads, s.n_slots)
         # a host worker holds one scratch slot at a time: more than `threads` is waste
         self._targets: dict[Device, Any] = {
@@ -110,8 +108,7 @@ class LoadInFlight:
             return self._target_of[d.start].land_packed(worker, self.sources[chunk.file], chunk.run,
                                                         functools.partial(self.dests.shared_chunk, d))
         inspect = self.check.inspector(d, chunk.run) if self.check is not None else None
-        # a GPU chunk is read into pinned staging before its destination is needed: the
-        # allocation (if this worker overtook the allocating thread) overlaps the read
+        # a GPU chunk is read into pinned staging before its destination is needed: an allocation overlaps the read
         buf = self.dests.buffers[d] or functools.partial(self.dests.buffer, d)
         return self._target_of[d].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect)
 

@@ -36,10 +36,9 @@ def _output_directory(out_dir: str, source_paths: list[str]) -> bool:
 
 def reshard(source, out_dir, max_shard_size: int | str, *, fsync: bool = True, checksum: str | None = None,
             progress: bool | None = None, **options) -> list[str]:
-    """Rewrite ``source`` (any checkpoint form) into ``out_dir`` as shards of at most
-    ``max_shard_size``: tensors byte-identical, in the source's file order, the metadata the
-    source shards' (merged, without their save id). ``out_dir`` (not ``*.safetensors``) is
-    created if missing (removed if the rewrite fails) and must hold no checkpoint. ``checksum``
+    """Rewrite ``source`` into ``out_dir`` as shards of at most ``max_shard_size``: tensors byte-identical,
+    in the source's file order, with the source shards' merged metadata (less their save id). ``out_dir``
+    (not ``*.safetensors``; created if missing, removed on failure) must hold no checkpoint. ``checksum``
     stores fresh digests; ``options`` are settings. Returns the paths written, the index last."""
     out_dir = os.fspath(out_dir)
     check_shard_directory(out_dir, "reshard")

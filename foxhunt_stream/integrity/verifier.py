@@ -121,8 +121,7 @@ class Verifier:
         else:
             from ..cuda import runtime
             with runtime.on_device(buf.device.index):
-                # a kernel hashes one tensor's blocks in parallel but each block sequentially
-                # (~ms): tensors go round-robin over several streams so their kernels overlap
+                # a tensor's kernel runs ~ms (each block sequential): streams in turn, so kernels overlap
                 stream = self._stream(buf.device, dest)
                 rt = runtime.runtime()
                 for ev in events:   # the hash runs after every copy of this destination

@@ -28,12 +28,10 @@ class VerifyReport:
 
 
 def verify(source, *, require_checksums: bool = False, **options) -> VerifyReport:
-    """Validate a checkpoint without a GPU: headers (every format rule, shards against their
-    index), then every tensor byte read once, in chunks, on worker threads, against its stored
-    digest. Raises the first problem (FormatError / ChecksumError / OSError naming the file);
-    returns a VerifyReport. With ``require_checksums``, a tensor without a digest is an error.
-    Host memory: a few chunks, whatever the checkpoint size.
-    """
+    """Validate a checkpoint without a GPU: headers (every format rule, shards against their index), then
+    every tensor byte read once against its stored digest. Raises the first problem (FormatError /
+    ChecksumError / OSError naming the file); returns a VerifyReport. With ``require_checksums``, a
+    tensor without a digest is an error."""
     s = _settings.merge(**options)
     ck = open_checkpoint(source)
     names = ck.file_order()

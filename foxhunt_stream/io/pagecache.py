@@ -140,9 +140,8 @@ class _CachestatRange(ctypes.Structure):
 
 
 def _cached_pages(fd: int) -> int | None:
-    """The file's pages in the page cache, counted by the kernel (``cachestat``: one call, no
-    mapping, so it never waits on the memory map's lock, which a mapping and its unmapping take
-    for writing while staging memory is being pinned beside the load); None where there is none."""
+    """The file's pages in the page cache, counted by the kernel (``cachestat``: one call and no mapping,
+    so no wait on the memory map's lock while staging is pinned beside the load); None where there is none."""
     global _cachestat_works
     if not _cachestat_works:
         return None

@@ -31,7 +31,6 @@ FRESH_SECONDS = 2.0        # an empty unlocked temp this young may be its writer
 fault_hook: Callable[["AtomicFile", int, int], None] | None = None
 
 
-
 def _fallocate(fd: int, size: int) -> bool:
     """Reserve ``size`` bytes for real (Linux fallocate(2), no glibc emulation by writing zeros).
     False where the filesystem cannot; ENOSPC / EFBIG raise here, before any byte is written."""

@@ -30,8 +30,8 @@ REPORT_LOGGER = "transformers.modeling_utils"   # the logger transformers' own l
 
 def prepare(source: CheckpointSource, model_class, dtype, kwargs: dict) -> Recipe:
     """The config, the concrete class and the dtype, found before the load starts (Unservable:
-    transformers' own from_pretrained takes it). Finding the class imports the modeling code,
-    seconds of pure Python that a load beside it would slow (by about 2 s on a hot start)."""
+    transformers' own from_pretrained takes it); finding the class imports the modeling code, seconds
+    of pure Python that a load beside it would slow."""
     model_class = model_class or transformers.AutoModelForCausalLM
     if dtype is not None:
         kwargs = dict(kwargs, dtype=dtype)

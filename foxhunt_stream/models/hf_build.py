@@ -16,8 +16,7 @@ from transformers.utils import ContextManagers
 from .hf_source import IGNORED, CheckpointSource, Unservable
 
 HUB_KEYWORDS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "proxies")
-# What the streamed path uses of transformers, by name (checked once: a release without one of
-# them is served by transformers' own from_pretrained).
+# What the streamed path uses of transformers (a release lacking one is served by its own from_pretrained).
 MODEL_METHODS = ("get_init_context", "get_expanded_tied_weights_keys", "mark_tied_weights_as_initialized", "named_non_persistent_buffers",
                  "initialize_weights", "tie_weights", "_adjust_missing_and_unexpected_keys", "_get_dtype_plan",
                  "get_parameter_or_buffer", "set_use_kernels")

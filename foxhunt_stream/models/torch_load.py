@@ -42,7 +42,6 @@ class LoadModelError(StoreMismatchError, RuntimeError):
         self.args = (msg,)
 
 
-
 def _match_names(model: torch.nn.Module, state: Mapping[str, torch.Tensor], file_names: list[str],
                  aliases: Mapping[str, list[str]], strict: bool) -> tuple[dict, set[str], list[str]]:
     """The model's tensors a file of ``file_names`` fills (one name per tied group) and the

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import mmap
 import os
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -18,7 +17,7 @@ from ..engine.pipeline import Job
 from ..format.plan import in_turn
 from ..io.checkpoint import INDEX_NAME
 from ..io.pagecache import resident_fraction
-from ..io.sink import AtomicFile
+from ..io.sink import AtomicFile, copy_mapped
 from ..io.source import stream_of
 
 Shapes = list[tuple[str, tuple[int, ...]]]
@@ -264,7 +263,7 @@ def write_ceiling(directory: str, nbytes: int, threads: int, reps: int, chunk: i
         try:
             if method == "mapped":
                 os.posix_fallocate(fd, 0, nbytes)
-                parallel(items, lambda w, it: _copy_mapped(fd, bufs[w][:it[1]], it[0]), threads)
+                parallel(items, lambda w, it: copy_mapped(fd, bufs[w][:it[1]], it[0]), threads)
             else:
                 os.ftruncate(fd, nbytes)
                 parallel(items, lambda w, it: os.pwrite(fd, bufs[w][:it[1]], it[0]), threads)
@@ -297,17 +296,6 @@ def best_write_ceiling(directory: str, nbytes: int, threads: int, reps: int, chu
     best = min(counts, key=lambda n: median(runs[n]))
     who = f"{best} thread{'s' if best > 1 else ''}"
     return runs[best], who if len(counts) == 1 else f"{who}, the best of {', '.join(map(str, counts))}"
-
-
-def _copy_mapped(fd: int, data: np.ndarray, offset: int) -> None:
-    lo = offset - offset % mmap.ALLOCATIONGRANULARITY
-    window = mmap.mmap(fd, offset + data.nbytes - lo, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=lo)
-    try:
-        dst = np.frombuffer(window, np.uint8, data.nbytes, offset - lo)
-        np.copyto(dst, data)
-        del dst
-    finally:
-        window.close()
 
 
 def settle(path: str) -> None:

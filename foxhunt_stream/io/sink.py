@@ -64,6 +64,18 @@ def _in_memory_fs(directory: str) -> bool:
         return False
 
 
+def copy_mapped(fd: int, data: np.ndarray, offset: int) -> None:
+    """Copy ``data`` (uint8) to ``offset`` of ``fd`` through a mapping of just that window."""
+    lo = offset - offset % mmap.ALLOCATIONGRANULARITY
+    window = mmap.mmap(fd, offset + data.nbytes - lo, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=lo)
+    try:
+        dst = np.frombuffer(window, np.uint8, data.nbytes, offset - lo)
+        np.copyto(dst, data)
+        del dst
+    finally:
+        window.close()   # unmapped at once: the pages stay in the page cache, not in our RSS
+
+
 class AtomicFile:
     """Write a file of known size at ``path`` through a temp file; ``commit`` publishes it.
 
@@ -123,15 +135,8 @@ class AtomicFile:
                                        f"{e.strerror}") from e
         if offset + mv.nbytes > self.size:
             raise ValueError(f"write past the planned end of {self.path}")
-        if self._mapped:   # space reserved by fallocate: map just this window and copy into it
-            lo = offset - offset % mmap.ALLOCATIONGRANULARITY
-            window = mmap.mmap(self.fd, offset + mv.nbytes - lo, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=lo)
-            try:
-                dst = np.frombuffer(window, np.uint8, mv.nbytes, offset - lo)
-                np.copyto(dst, np.frombuffer(mv, np.uint8))
-                del dst
-            finally:
-                window.close()   # unmapped at once: the pages stay in the page cache, not in our RSS
+        if self._mapped:   # space reserved by fallocate
+            copy_mapped(self.fd, np.frombuffer(mv, np.uint8), offset)
             return
         done = 0
         while done < mv.nbytes:

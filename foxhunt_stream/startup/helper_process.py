@@ -15,8 +15,7 @@ import threading
 from typing import Any, BinaryIO, Callable, Sequence
 
 from ..engine.pipeline import Job
-from ..errors import CancelledError
-from ..errors import FormatError
+from ..errors import CancelledError, FormatError
 from ..io.source import FileSource
 from .importtrace import prefetch_record_metadata
 from .readers import Piece, PieceReaders

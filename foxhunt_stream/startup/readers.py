@@ -11,8 +11,7 @@ import threading
 import time
 from typing import Callable, Iterable, Mapping, NamedTuple
 
-from ..errors import CancelledError
-from ..errors import FormatError
+from ..errors import CancelledError, FormatError
 from ..io.pagecache import advise
 from ..io.source import FileSource
 from .importtrace import unwatch_this_thread

@@ -307,12 +307,11 @@ def load_file_distributed(source, device="cpu", framework: str | None = None, na
                           process_group, shard: TPSlice | None = None, exchange_bytes: int | None = None,
                           verify: bool = False, progress: bool | None = None, background: bool = False,
                           **options) -> dict[str, Any]:
-    """``load_file`` over a torch.distributed group: every rank of ``process_group`` calls it
-    (with its own ``device``, ``names`` and ``shard``); the checkpoint is read once across the
-    group and shared with broadcasts (with ``shard``, only the replicated tensors). Returns this
-    rank's ``{name: torch.Tensor}``. ``framework``: "pt" (None means "pt"). ``exchange_bytes``
-    bounds the exchange's device memory (64 MiB). An error on any rank raises
-    ``DistributedLoadError`` on all of them.
+    """``load_file`` over a torch.distributed group: every rank of ``process_group`` calls it (with its
+    own ``device``, ``names`` and ``shard``); the checkpoint is read once across the group and shared
+    with broadcasts (with ``shard``, only the replicated tensors). Returns this rank's ``{name:
+    torch.Tensor}``. ``framework``: "pt" (or None). ``exchange_bytes`` bounds the exchange's device
+    memory (64 MiB). An error on any rank raises ``DistributedLoadError`` on all of them.
     """
     window = _window_bytes(framework, background, exchange_bytes)
     group = _Group(process_group)

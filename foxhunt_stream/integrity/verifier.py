@@ -23,10 +23,9 @@ class Verifier:
     """Checks each destination the moment its last block is hashed, on the thread that hashed it.
 
     ``inspector(dest, run)``: a ChunkHasher fed the chunk's host bytes as they are read. With
-    ``verify_on="landed"``, xxh3-64 tensors are hashed whole where they landed (``landed``): on
-    the host at once, on a GPU by a kernel queued after the tensor's copies on one of
-    ``CHECK_STREAMS`` streams, or, for a plain load, in one batched launch per device and block
-    size once every copy is done (``finish``).
+    ``verify_on="landed"``, xxh3-64 tensors are hashed whole where they landed (``landed``): on the
+    host at once, on a GPU by a kernel after the tensor's copies, or, for a plain load, in one batched
+    launch per device and block size once every copy is done (``finish``).
     """
 
     def __init__(self, checks: list[tuple[str, str, Checksums] | None], sizes: Sequence[int],

@@ -203,12 +203,10 @@ class FileSource:
 
     def fill_cache(self, offset: int, length: int, scratch: np.ndarray | memoryview, copy: bool = False, *,
                    count: bool = True) -> None:
-        """Make ``[offset, offset+length)`` resident in the page cache (a prefetch): through
-        ``sendfile_to_null`` where it works, else (or with ``copy``) read into ``scratch`` (a
-        writable buffer: a numpy array or a memoryview) piece by piece. A truncated file is
-        FormatError "file-truncated", as for reads; the fault hook applies. ``count=False``: not a
-        checkpoint's bytes (a code file read ahead of the imports), so not counted in
-        ``bytes_read`` / ``total_bytes_read``."""
+        """Make ``[offset, offset+length)`` resident in the page cache (a prefetch): ``sendfile_to_null``
+        where it works, else (or with ``copy``) read into ``scratch`` (a writable buffer) piece by piece. A
+        truncated file is FormatError "file-truncated"; the fault hook applies. ``count=False``: not a
+        checkpoint's bytes (a code file), so not counted in ``bytes_read`` / ``total_bytes_read``."""
         limit = length
         if fault_hook is not None:
             r = self._inject(offset, length)

@@ -170,12 +170,10 @@ def swap_tensors(model: torch.nn.Module, new_data) -> list[str]:
 
 
 def materialize(model: torch.nn.Module, device: str | int | torch.device = "cpu") -> list[str]:
-    """``model.to_empty(device=...)`` for the meta tensors only, keeping tied tensors tied.
-
-    Every meta parameter and buffer gets uninitialised storage on ``device`` (``to_empty`` would
-    untie shared weights and wipe real ones). Returns the materialised names that the state dict
-    lacks (non-persistent buffers such as ``inv_freq``), which no load fills and the caller must
-    initialise (a MaterializeWarning lists them too).
+    """``model.to_empty(device=...)`` for the meta tensors only, keeping tied tensors tied (``to_empty``
+    would untie shared weights and wipe real ones): uninitialised storage on ``device``. Returns the
+    materialised names the state dict lacks (non-persistent buffers such as ``inv_freq``), which no load
+    fills and the caller must initialise (a MaterializeWarning lists them too).
     """
     dev = torch.device(str(parse_device(device)))
     done = swap_tensors(model, lambda t: torch.empty_like(t, device=dev) if t.is_meta else None)

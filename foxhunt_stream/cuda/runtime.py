@@ -211,21 +211,13 @@ def pinned(nbytes: int) -> tuple[np.ndarray, PinnedBuffer]:
 class PinnedArena:
     """Page-locked host memory for ``n`` slots of ``slot_bytes``, in one anonymous mapping.
 
-    ``cudaHostAlloc`` pinned 256 MiB at 1.8-2.7 GB/s on the H200 machine, 0.10-0.15 s that a
-    process's first load waited for, while the driver held back the copies of the slots already
-    pinned. Registering (``cudaHostRegister``) an anonymous mapping backed by huge pages ran at
-    4-6 GB/s, and at 9-13 GB/s when 16 threads faulted their parts in first and registered them
-    after (``benchmarks/pin_probe.py``, 2026-12-03). So the mapping asks for huge pages, and
-    ``pin(k)`` faults slot ``k`` in on the calling thread (a ``memset``, the GIL released): the
-    callers fault in at once. The faults take only the mapping's own lock; ``MADV_POPULATE_WRITE``
-    held the process's memory-map lock instead, and every ``mmap`` of the loading thread (its
-    allocations, its imports) waited behind it, for milliseconds each (``benchmarks/RESULTS.md``).
-
-    Registration is in slot order, one call at a time: whichever caller finds the next slots
-    faulted registers all of them in one call, so slot 0 is ready first and the calls grow as the
-    faults run ahead (32 registrations of 8 MiB held the first copies back until nearly all were
-    done). Host -> device copies from this memory ran as fast as from ``cudaHostAlloc``'s
-    (51-53 GB/s)."""
+    Registering (``cudaHostRegister``) huge pages that several threads faulted in pinned 4-6x
+    faster than ``cudaHostAlloc`` (RESULTS: "Pinned staging in a fresh process"). So the mapping
+    asks for huge pages and ``pin(k)`` faults slot ``k`` in on the calling thread (a ``memset``,
+    the GIL released; ``MADV_POPULATE_WRITE`` would hold the process's memory-map lock, which
+    every ``mmap`` of the loading thread then waits for). Registration goes in slot order, one
+    call at a time: whoever finds the next slots faulted registers all of them at once, so slot 0
+    is ready first and the calls grow as the faults run ahead."""
 
     def __init__(self, slot_bytes: int, n: int) -> None:
         from ..io.libc import MAP_FAILED, libc

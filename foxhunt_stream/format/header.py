@@ -43,7 +43,8 @@ MAX_HEADER_SIZE = 100_000_000
 JSON_START = b"{ \t\r\n"   # what a header may begin with (JSON whitespace, then its object)
 _U64_MAX = 2**64 - 1
 _I64_MAX = 2**63 - 1
-# MAX_DIMS (header_plain): numpy's limit (numpy.MAXDIMS); each dimension and size must also fit a signed 64-bit int
+# MAX_DIMS, 64 (from header_plain, which checks it too): numpy's limit (numpy.MAXDIMS); each dimension
+# and size must also fit a signed 64-bit int
 
 
 class TensorInfo(NamedTuple):

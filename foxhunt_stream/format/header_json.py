@@ -64,7 +64,6 @@ class _Reading(NamedTuple):
     strings: bool               # some \u escape may be a lone surrogate: check every string
 
 
-
 # the values of a known field that are built as they are: a string, a number, a literal, an
 # array of numbers (anything else is invalid there, and is checked and shown, not built)
 _FLAT_FIELD = re.compile("(?:" + STRING + "|" + NUMBER + r"|true|false|null|\[" + WS + "(?:" + NUMBER + "(?:"

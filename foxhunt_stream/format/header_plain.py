@@ -1,7 +1,9 @@
 """A header in the form every writer produces, read in one regex pass: an object of tensor
 entries, each holding exactly the fields dtype (a string), shape (an array of integers) and
 data_offsets (two integers), in the order the first entry gives, with any JSON whitespace
-between tokens, and one ``__metadata__`` object of string to string anywhere among them.
+between tokens, after a ``__metadata__`` object of string to string if there is one, in first
+place, where the writers put it. (Every other member is then an entry: none takes less text than
+what the reader keeps of it, so no text of many short members costs more than it would kept.)
 
 ``re.findall`` captures every entry's fields as text, and the columns of those texts become the
 values in C loops: a dtype or a shape is converted once per distinct text, each offset by
@@ -45,19 +47,19 @@ _VALUES = {   # a field's value, its parts captured
 }
 _PAIR = _STRING + WS + ":" + WS + _STRING
 _STRING_MAP = r"(\{" + WS + "(?:" + _PAIR + "(?:" + WS + "," + WS + _PAIR + ")*" + _P + ")?" + WS + r"\})"
+_NEXT = WS + "(?:," + WS + '(?=")|\\Z)'   # after a member: a comma and the next name's quote, or the end
 _REST = "(?s:.+" + _P + ")"   # no member here: the rest of the text, captured by no group
+_METADATA = re.compile('"__metadata__"' + WS + ":" + WS + _STRING_MAP + _NEXT)
 _WS_START = re.compile(WS)
 
 
 @functools.cache
-def _member_pattern(order: tuple[str, ...]) -> re.Pattern:
-    """One member: its name, then a tensor entry with the fields in ``order`` or a string map, then
-    a comma and the next name's quote, or the end; else the rest of the text (_REST). Groups: the
-    name's text, dtype, shape's numbers, start, end (in ``order``'s places), the map."""
+def _entry_pattern(order: tuple[str, ...]) -> re.Pattern:
+    """One member: its name and a tensor entry with the fields in ``order``, then _NEXT; else the
+    rest of the text (_REST). Groups: the name's text, then dtype, shape's numbers, start and end
+    in ``order``'s places."""
     fields = ("(?:" + WS + "," + WS + ")").join('"' + f + '"' + WS + ":" + WS + _VALUES[f] for f in order)
-    entry = r"\{" + WS + fields + WS + r"\}"
-    return re.compile('"(' + _CHARS + ')"' + WS + ":" + WS + "(?:" + entry + "|" + _STRING_MAP + ")" + WS
-                      + "(?:," + WS + '(?=")|\\Z)|' + _REST)
+    return re.compile('"(' + _CHARS + ')"' + WS + ":" + WS + r"\{" + WS + fields + WS + r"\}" + _NEXT + "|" + _REST)
 
 
 class PlainHeader(NamedTuple):
@@ -71,10 +73,10 @@ class PlainHeader(NamedTuple):
     ends: list[int]
 
 
-def _field_order(text: str) -> tuple[str, ...]:
-    """The fields' order in the first entry, from where each name first appears (a guess: should
-    it be wrong, the entries do not match and the header is read member by member)."""
-    first = {f: text.find('"' + f + '"') for f in FIELDS}
+def _field_order(text: str, start: int) -> tuple[str, ...]:
+    """The fields' order in the first entry (at ``start``), from where each name first appears (a
+    guess: should it be wrong, the entries do not match and the header is read member by member)."""
+    first = {f: text.find('"' + f + '"', start) for f in FIELDS}
     return tuple(sorted(FIELDS, key=first.__getitem__)) if -1 not in first.values() else FIELDS
 
 
@@ -113,14 +115,22 @@ def read_plain(text: str) -> PlainHeader | None:
     escapes = "\\" in text
     if escapes and SURROGATE_ESCAPE.search(text) and lone_surrogate(text) >= 0:
         return None
-    order = _field_order(text)
-    rows = _member_pattern(order).findall(text, *span)
+    start, stop = span
+    metadata = None
+    first = _METADATA.match(text, start, stop)
+    if first is not None:
+        metadata = _string_map(first.group(1))
+        if metadata is None:
+            return None
+        start = first.end()
+    order = _field_order(text, start)
+    rows = _entry_pattern(order).findall(text, start, stop)
     if not rows:
-        return PlainHeader(None, (), [], [], [], []) if span[0] == span[1] else None
+        return PlainHeader(metadata, (), [], [], [], []) if start == stop else None
     if not any(rows[-1]):   # no group: the rest of the text (_REST), where the form broke
         return None
     columns = list(zip(*rows))
-    names, maps = columns[0], columns[-1]
+    names = columns[0]
     values, i = {}, 1
     for f in order:   # each field's columns (data_offsets: two)
         n = 2 if f == "data_offsets" else 1
@@ -128,17 +138,6 @@ def read_plain(text: str) -> PlainHeader | None:
     (dtype_texts,), (shape_texts,), (start_texts, end_texts) = (values[f] for f in FIELDS)
     if escapes:
         names = tuple([scanstring(n + '"', 0)[0] if "\\" in n else n for n in names])
-    metadata = None
-    n_maps = len(maps) - maps.count("")
-    if n_maps:   # the one string map must be __metadata__'s; every other member a tensor's entry
-        i = maps.index(next(filter(None, maps)))
-        if n_maps > 1 or names[i] != "__metadata__":
-            return None
-        metadata = _string_map(maps[i])
-        if metadata is None:
-            return None
-        names, dtype_texts, shape_texts, start_texts, end_texts = (
-            c[:i] + c[i + 1:] for c in (names, dtype_texts, shape_texts, start_texts, end_texts))
     if "__metadata__" in names:
         return None
     dtypes = {t: DTYPES.get(t) for t in set(dtype_texts)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import tracemalloc
 
 import pytest
 
@@ -103,14 +104,29 @@ def _entries(order, n=5, sep=""):
 @pytest.mark.parametrize("indent", [None, 2])
 def test_the_writers_forms_take_the_plain_reader(order, indent):
     entries, size = _entries(order)
-    for meta_first in (True, False):
-        obj = {"__metadata__": {"format": "pt"}, **entries} if meta_first else {**entries, "__metadata__": {}}
+    for obj in ({"__metadata__": {"format": "pt"}, **entries}, {"__metadata__": {}, **entries}, entries):
         text = json.dumps(obj, indent=indent, ensure_ascii=False) + "   "
         plain = read_plain(text)
-        assert plain is not None and plain.names == tuple(entries) and plain.metadata == obj["__metadata__"]
+        assert plain is not None and plain.names == tuple(entries) and plain.metadata == obj.get("__metadata__")
         assert plain.shapes == [tuple(e["shape"]) for e in entries.values()]
         assert [header.TensorInfo(*t) for t in zip(*plain[1:])] == list(header.parse_header(
             build(text, bytes(size)), 8 + len(text) + size).tensors)
+    # __metadata__ elsewhere than first: read member by member
+    assert read_plain(json.dumps({**entries, "__metadata__": {}}, indent=indent)) is None
+
+
+def test_many_short_members_cost_no_rows():
+    """Only entries are matched after the first member, so a text of many short members that are
+    not entries (string maps, a repeated __metadata__) ends the pass at the first one."""
+    for member in ('"a":{}', '"__metadata__":{}', '"a":{"b":"c"}'):
+        text = "{" + ",".join([member] * 300_000) + "}"
+        tracemalloc.start()
+        try:
+            assert read_plain(text) is None
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < len(text), (member, peak)
 
 
 @pytest.mark.parametrize("text", [

@@ -2,8 +2,9 @@
 entries, each holding exactly the fields dtype (a string), shape (an array of integers) and
 data_offsets (two integers), in the order the first entry gives, with any JSON whitespace
 between tokens, after a ``__metadata__`` object of string to string if there is one, in first
-place, where the writers put it. (Every other member is then an entry: none takes less text than
-what the reader keeps of it, so no text of many short members costs more than it would kept.)
+place, where the writers put it. (Every other member must be a tensor's entry: a text of millions
+of short members that are not, string maps or __metadata__ again, ends the pass at the first one
+instead of being captured whole.)
 
 ``re.findall`` captures every entry's fields as text, and the columns of those texts become the
 values in C loops: a dtype or a shape is converted once per distinct text, each offset by

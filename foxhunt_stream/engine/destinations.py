@@ -26,10 +26,13 @@ class Destinations:
     """
 
     def __init__(self, n: int, devices_of: list[Device], make=None, buffers: list[Buffer] | None = None,
-                 arrays: list | None = None, devices: set[Device] | None = None) -> None:
+                 arrays: list | None = None, devices: set[Device] | None = None, copies=None,
+                 buffer_of=None) -> None:
         self.devices_of = devices_of   # per destination, known before anything is allocated
         self.devices = set(devices_of) if devices is None else devices
         self._make = make
+        self._copies = copies   # copies(ds, view): new host arrays of the tensors of a shared chunk
+        self._buffer_of = buffer_of   # the Buffer of an array made so (asked for after it landed, if ever)
         self.buffers: list[Buffer | None] = buffers if buffers is not None else [None] * n
         self.arrays: list = arrays if arrays is not None else [None] * n
         # one for all: which destinations are being made (each once, mostly by the allocating thread)
@@ -50,7 +53,11 @@ class Destinations:
         def make(d: int):
             name, dtype, shape, _ = plan.destinations[d]
             return framework.new(dtype, shape, per_dest[d], name)
-        return cls(len(plan.destinations), per_dest, make, devices=devices)
+
+        def copies(ds: range, view):
+            return framework.copies(view, plan.destinations[ds.start:ds.stop], per_dest[ds.start])
+        return cls(len(plan.destinations), per_dest, make, devices=devices, copies=copies,
+                   buffer_of=framework.buffer)
 
     @classmethod
     def fixed(cls, buffers: list[Buffer], arrays: list) -> "Destinations":
@@ -61,6 +68,10 @@ class Destinations:
         held through each allocation kept workers off until the allocating thread's last one."""
         b = self.buffers[d]
         if b is not None:
+            return b
+        arr = self.arrays[d]
+        if arr is not None and self._buffer_of is not None:   # made from a shared chunk's bytes
+            b = self.buffers[d] = self._buffer_of(arr)
             return b
         with self._made:
             while (b := self.buffers[d]) is None and d in self._making:
@@ -90,6 +101,21 @@ class Destinations:
                 self.arrays[d] = arr
                 buffers[d] = b
             yield b
+
+    def land_shared(self, ds: range, view) -> None:
+        """The tensors of a shared chunk from its host bytes ``view`` (back to back, in file order):
+        new arrays made from them (one step per tensor: a million tiny tensors are a million of
+        them), or copied into the arrays given. Only the worker landing that chunk touches these
+        destinations (as in ``shared_chunk``); an array made here gets its ``Buffer`` only if one
+        is asked for."""
+        if self._copies is not None:
+            self.arrays[ds.start:ds.stop] = self._copies(ds, view)
+            return
+        pos = 0
+        for b in self.shared_chunk(ds):
+            end = pos + b.nbytes
+            b.host[:] = view[pos:end]
+            pos = end
 
     def allocate_ahead(self, order: Sequence[int], stop: threading.Event,
                        then: Callable[[], None] | None = None) -> workers.Task | None:
@@ -121,8 +147,11 @@ class Destinations:
         return workers.run(run, "foxhunt-alloc")
 
     def array(self, d: int):
-        self.buffer(d)   # zero-byte destinations have no chunk: allocate them here
-        return self.arrays[d]
+        a = self.arrays[d]
+        if a is None:
+            self.buffer(d)   # zero-byte destinations have no chunk: allocate them here
+            a = self.arrays[d]
+        return a
 
     def all_arrays(self) -> list:
         return [self.array(d) if a is None else a for d, a in enumerate(self.arrays)]

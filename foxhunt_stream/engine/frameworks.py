@@ -6,7 +6,8 @@ bytes live (``buffer``); the stages never branch on the framework, they only see
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+import operator
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -32,6 +33,7 @@ class Framework(Protocol):
 
     def empty(self, dtype: DType, shape, device: Device, tensor: str = "") -> Any: ...
     def new(self, dtype: DType, shape, device: Device, tensor: str = "") -> tuple[Any, Buffer]: ...
+    def copies(self, view: np.ndarray, dests: Sequence, device: Device) -> list: ...
     def buffer(self, arr) -> Buffer: ...
     def settle(self, device: Device) -> None: ...
     def owns(self, x) -> bool: ...
@@ -55,6 +57,18 @@ def _host_bytes(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
+_DTYPE, _SHAPE = operator.itemgetter(1), operator.itemgetter(2)   # of a plan.Destination
+
+
+def _alike(dests: Sequence) -> bool:
+    """Whether the destinations all have one dtype and one shape, not a scalar's (whose rows of a
+    1-D array would be numpy scalars)."""
+    _, dtype, shape, _ = dests[0]
+    n = len(dests)
+    return (bool(shape) and dests[-1][1] is dtype and dests[-1][2] == shape   # (the last first: cheap)
+            and list(map(_DTYPE, dests)).count(dtype) == n and list(map(_SHAPE, dests)).count(shape) == n)
+
+
 class NumpyFramework:
     name = "numpy"
 
@@ -72,6 +86,26 @@ class NumpyFramework:
         arr = self.empty(dtype, shape, device, tensor)
         flat = arr if arr.ndim == 1 else arr.reshape(-1)
         return arr, _new(Buffer, (CPU, arr.nbytes, flat.view(np.uint8), 0))   # Buffer(...), without its __new__
+
+    def copies(self, view: np.ndarray, dests: Sequence, device: Device) -> list[np.ndarray]:
+        """New arrays of the destinations (``plan.Destination`` s) lying back to back in the host
+        bytes ``view``, each a copy of its bytes (a shared chunk of tiny tensors: one array made
+        per tensor, not an empty one, its byte view and a slice assignment)."""
+        if device.is_cuda:
+            raise OptionError("framework 'numpy' holds host arrays only; use device='cpu' or framework='cupy'/'pt'")
+        make, copy = np.ndarray, np.ndarray.copy
+        if _alike(dests):   # (a file of equal tiny tensors) the rows of one array over the bytes, each
+            _, dtype, shape, _ = dests[0]   # copied: half the time of an array made per tensor
+            return list(map(copy, make((len(dests), *host_shape(dtype, shape)), dtype.numpy, view)))
+        out = []
+        add = out.append
+        pos, last, host, sub = 0, None, None, False
+        for _, dtype, shape, nbytes in dests:
+            if dtype is not last:   # a shared chunk's tensors mostly share a dtype
+                last, host, sub = dtype, dtype.numpy, dtype.sub_byte
+            add(copy(make(host_shape(dtype, shape) if sub else shape, host, view, pos)))
+            pos += nbytes
+        return out
 
     def settle(self, device: Device) -> None:
         """Host arrays: nothing is queued."""
@@ -126,6 +160,12 @@ class CupyFramework:
         if not device.is_cuda:
             return arr, NumpyFramework().buffer(arr)
         return arr, Buffer(device, arr.nbytes, ptr=arr.data.ptr)
+
+    def copies(self, view: np.ndarray, dests: Sequence, device: Device) -> list:
+        """Host arrays (numpy's) of the destinations lying back to back in ``view``."""
+        if device.is_cuda:
+            raise OptionError("a shared chunk lands in host arrays only")
+        return NumpyFramework().copies(view, dests, device)
 
     def settle(self, device: Device) -> None:
         """Wait for work queued on cupy's current stream of ``device`` (its freed blocks get reused)."""
@@ -199,6 +239,17 @@ class TorchFramework:
         if not device.is_cuda:
             return t, self.buffer(t)
         return t, Buffer(device, t.numel() * t.element_size(), None, t.data_ptr())
+
+    def copies(self, view: np.ndarray, dests: Sequence, device: Device) -> list:
+        """New host tensors of the destinations lying back to back in ``view``, each filled with a
+        copy of its bytes (a storage of its own)."""
+        out, pos = [], 0
+        for name, dtype, shape, nbytes in dests:
+            t, buf = self.new(dtype, shape, device, name)
+            buf.host[:] = view[pos:pos + nbytes]
+            out.append(t)
+            pos += nbytes
+        return out
 
     def settle(self, device: Device) -> None:
         """Wait for work queued on torch's current stream of ``device`` (its freed blocks get reused)."""

@@ -105,8 +105,9 @@ class LoadInFlight:
     def _work(self, worker: int, chunk):
         d = chunk.dest
         if type(d) is range:   # small whole tensors read together (no checksum blocks: no inspector)
-            return self._target_of[d.start].land_packed(worker, self.sources[chunk.file], chunk.run,
-                                                        functools.partial(self.dests.shared_chunk, d))
+            target = self._target_of[d.start]   # a GPU's copies them out of pinned memory, the host's out of its bytes
+            land = self.dests.shared_chunk if isinstance(target, CudaTarget) else self.dests.land_shared
+            return target.land_packed(worker, self.sources[chunk.file], chunk.run, functools.partial(land, d))
         inspect = self.check.inspector(d, chunk.run) if self.check is not None else None
         # a GPU chunk is read into pinned staging before its destination is needed: an allocation overlaps the read
         buf = self.dests.buffers[d] or functools.partial(self.dests.buffer, d)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import operator
 import warnings
 from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, NamedTuple, Sequence
 
@@ -55,6 +57,7 @@ def selections(ck: Checkpoint, names: list[str], indices: Mapping[str, Any] | No
 
 
 _new = tuple.__new__
+_INDEX = operator.itemgetter(3)   # Selection.index
 
 
 def shard_indices(ck: Checkpoint, names: list[str], shard: TPSlice | None) -> dict[str, Any] | None:
@@ -101,7 +104,9 @@ def prepare(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, device
         if order == "whole":
             order = "selection"   # tensors are checked as they land, in plan order
     if policies is None:
-        strided = {f for f, _, _, index, _ in sels if isinstance(index, tuple) and len(index) > 1}
+        # (the selections with an index picked in C: a whole load of 100k tensors has none)
+        indexed = itertools.compress(sels, map(operator.is_not, map(_INDEX, sels), itertools.repeat(None)))
+        strided = {f for f, _, _, index, _ in indexed if isinstance(index, tuple) and len(index) > 1}
         with _gone_is_replaced():
             policies = read_policies(ck.paths, lambda: span_bytes(sels, len(ck.paths)), strided,
                                      [h.file_size for h in ck.headers], s, streams=order == "whole")

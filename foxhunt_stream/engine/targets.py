@@ -92,18 +92,14 @@ class HostTarget:
             pool.release(slot)
         return None
 
-    def land_packed(self, worker: int, source: FileSource, run: Run, buffers: Callable[[], Iterable[Buffer]]):
+    def land_packed(self, worker: int, source: FileSource, run: Run, land: Callable[[np.ndarray], None]):
         """Read a span holding whole tensors back to back (``run``, of height 1) into a scratch
-        slot and copy each out to its destination, ``buffers()`` in file order; returns None."""
+        slot and hand its bytes to ``land`` (``Destinations.land_shared``), which copies each
+        tensor out of them; returns None."""
         pool = self.pool()
         slot = pool.acquire()
         try:
-            view = source.read_span(run.src, run.width, slot.array)
-            pos = 0
-            for buf in buffers():
-                end = pos + buf.nbytes
-                buf.host[:] = view[pos:end]
-                pos = end
+            land(source.read_span(run.src, run.width, slot.array))
         finally:
             pool.release(slot)
         return None

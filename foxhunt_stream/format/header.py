@@ -15,9 +15,10 @@ that every file we accept the reference accepts too: no NaN/Infinity literals, n
 surrogate escapes anywhere, ``-0`` is a float (so not a valid shape/offset), numbers must
 fit a double, and objects/arrays nest at most ``json_scan.MAX_JSON_DEPTH`` deep.
 
-Reading costs time and memory in proportion to what the reader keeps, not to what a header
-holds (``header_json``): the values of fields the format ignores are checked without being
-built (``json_scan``).
+A header in the form every writer produces is read as columns of its entries' fields
+(``header_plain``); any other, or one that breaks a rule, member by member (``header_json``),
+which costs time and memory in proportion to what the reader keeps, not to what a header holds:
+the values of fields the format ignores are checked without being built (``json_scan``).
 
 Every rule is a ``FormatError`` whose ``rule`` attribute names it.
 """
@@ -32,7 +33,8 @@ import struct
 from typing import Iterable, Mapping, NamedTuple
 
 from .dtypes import DTYPES, DType
-from .header_json import kind_name, read_header_object
+from .header_json import header_text, kind_name, read_header_object
+from .header_plain import MAX_DIMS, read_plain
 from .. import collector
 from ..errors import FormatError
 
@@ -41,7 +43,8 @@ MAX_HEADER_SIZE = 100_000_000
 JSON_START = b"{ \t\r\n"   # what a header may begin with (JSON whitespace, then its object)
 _U64_MAX = 2**64 - 1
 _I64_MAX = 2**63 - 1
-MAX_DIMS = 64   # numpy's limit (numpy.MAXDIMS); each dimension and size must also fit a signed 64-bit int
+# MAX_DIMS, 64 (from header_plain, which checks it too): numpy's limit (numpy.MAXDIMS); each dimension
+# and size must also fit a signed 64-bit int
 
 
 class TensorInfo(NamedTuple):
@@ -208,10 +211,17 @@ def parse_header(header_bytes: bytes, file_size: int) -> Header:
         raise FormatError("header-length", f"header length {n} but only {len(header_bytes) - N_LEN} header bytes given")
     data = header_bytes if isinstance(header_bytes, bytes) else bytes(header_bytes)
     with collector.paused():   # a header of 1M tensors took twice as long with collections
-        obj = read_header_object(data, N_LEN, N_LEN + n)
-        metadata = _metadata(obj.pop("__metadata__", None))
-        infos = list(map(tensor_info, obj, obj.values()))
-        by_name = dict(zip(obj, infos))
+        text = header_text(data, N_LEN, N_LEN + n)
+        plain = read_plain(text)   # the writers' form, its entries checked as columns
+        if plain is not None:
+            metadata, names, *fields = plain
+            infos = list(map(_new_tuple, itertools.repeat(TensorInfo), zip(names, *fields)))
+            by_name = dict(zip(names, infos))
+        if plain is None or len(by_name) != len(infos):   # (a name twice: the member-by-member reader says which)
+            obj = read_header_object(text, data, N_LEN, N_LEN + n)
+            metadata = _metadata(obj.pop("__metadata__", None))
+            infos = list(map(tensor_info, obj, obj.values()))
+            by_name = dict(zip(obj, infos))
         end = tile_data_region(infos)
     if N_LEN + n + end != file_size:
         raise FormatError("incomplete-buffer",

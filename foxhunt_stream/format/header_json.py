@@ -1,9 +1,8 @@
-"""A safetensors header's JSON, read as serde_json reads it: the top-level object, with each
-tensor entry's known fields built and the values of the fields the format ignores checked
-without being built (json_scan), so that reading costs what the reader keeps.
-
-A header in the form every writer produces (_PLAIN_HEADER) is one ``json`` decode; any other is
-read member by member, every rule checked in text order.
+"""A safetensors header's JSON, read as serde_json reads it: the top-level object, member by
+member, with each tensor entry's known fields built and the values of the fields the format
+ignores checked without being built (json_scan), so that reading costs what the reader keeps,
+and every rule checked in text order. (A header in the form every writer produces is read
+first by ``header_plain``, which leaves any other, and any that breaks a rule, to this reader.)
 """
 
 from __future__ import annotations
@@ -64,31 +63,6 @@ class _Reading(NamedTuple):
     decoder: json.JSONDecoder   # with the per-integer hook only where "-0" or a 300-digit run occurs
     strings: bool               # some \u escape may be a lone surrogate: check every string
 
-
-def _plain_header_pattern() -> re.Pattern:
-    """The form every writer produces: an object of tensor entries holding three of the fields
-    dtype (a string without ':' or escapes), shape and data_offsets (arrays of number characters),
-    in any order, and of string-to-string maps (``__metadata__``). It checks form, not validity:
-    ``json`` does."""
-    p, ws = POSSESSIVE, WS
-    string = r'"[^"\\]*' + p + r'(?:\\.[^"\\]*' + p + ")*" + p + '"'
-    array = (r"\[" + ws + "(?:[-+.eE0-9]+" + p + "(?:" + ws + "," + ws + "[-+.eE0-9]+" + p + ")*" + p + ")?"
-             + ws + r"\]")
-    fields = ['"dtype"' + ws + ":" + ws + r'"[^"\\:]*' + p + '"', '"shape"' + ws + ":" + ws + array,
-              '"data_offsets"' + ws + ":" + ws + array]
-    # three fields, each any of the three: an entry that repeats one (and so lacks another) has
-    # fewer members built than ':' in its text, and is read member by member (one alternation
-    # instead of the six orders compiles in a third of the time, at every process's first load)
-    field = "(?:" + "|".join(fields) + ")"
-    entry = r"\{" + ws + field + "(?:" + ws + "," + ws + field + "){2}" + ws + r"\}"
-    pair = string + ws + ":" + ws + string
-    string_map = r"\{" + ws + "(?:" + pair + "(?:" + ws + "," + ws + pair + ")*" + p + ")?" + ws + r"\}"
-    member = string + ws + ":" + ws + "(?:" + entry + "|" + string_map + ")"
-    return re.compile(ws + r"\{" + ws + "(?:" + member + "(?:" + ws + "," + ws + member + ")*" + p + ")?"
-                      + ws + r"\}" + ws)
-
-
-_PLAIN_HEADER = _plain_header_pattern()
 
 # the values of a known field that are built as they are: a string, a number, a literal, an
 # array of numbers (anything else is invalid there, and is checked and shown, not built)
@@ -214,42 +188,23 @@ def _read_header_object(text: str, reading: _Reading) -> dict:
     return obj
 
 
-def _plain_header_object(text: str, reading: _Reading) -> dict | None:
-    """The header in one ``json`` decode, when its text has the form every writer produces
-    (_PLAIN_HEADER): nothing nested to skip, so building it all costs what the reader keeps.
-    A repeated key shows as fewer members built than the text has (its ':' outside strings).
-    None when the text has another form, or repeats a key: _read_header_object reads it then."""
-    if reading.strings or "\\u003a" in text or "\\u003A" in text or not _PLAIN_HEADER.fullmatch(text):
-        return None   # (an escaped ':' would be a ':' in a string that the text count does not see)
+def header_text(data: bytes, start: int, stop: int) -> str:
+    """The header's JSON ``data[start:stop]`` as text (FormatError if it is not UTF-8)."""
     try:
-        obj = reading.decoder.decode(text)
-    except (json.JSONDecodeError, FormatError):
-        return None   # the member-by-member reader says where, and in which tensor
-    built = len(obj) + sum(map(len, obj.values()))
-    # the ':' in strings: in tensor names and __metadata__ (entries' fields hold none). One in a
-    # string map under a tensor name (an invalid entry) is missed: the counts then differ, and
-    # the file is read member by member, as one repeating a key would be; never the reverse.
-    in_strings = ":".join(obj).count(":") - max(len(obj) - 1, 0)
-    meta = obj.get("__metadata__")
-    if meta:
-        in_strings += sum(k.count(":") + v.count(":") for k, v in meta.items())
-    return obj if text.count(":") - in_strings == built else None
-
-
-def read_header_object(data: bytes, start: int, stop: int) -> dict:
-    """The header's top-level object from its JSON ``data[start:stop]``: each tensor entry a dict
-    of its known fields (an unknown one holds None), ``__metadata__`` as written. Values too big
-    to build that break a rule (they are only shown) come as placeholders whose kind_name says
-    what they are. A broken rule is a FormatError naming it and the tensor involved."""
-    try:
-        text = str(memoryview(data)[start:stop], "utf-8")
+        return str(memoryview(data)[start:stop], "utf-8")
     except UnicodeDecodeError as e:
         raise FormatError("header-utf8", f"header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def read_header_object(text: str, data: bytes, start: int, stop: int) -> dict:
+    """The header's top-level object from its JSON ``text`` (``data[start:stop]`` decoded), read
+    member by member: each tensor entry a dict of its known fields (an unknown one holds None),
+    ``__metadata__`` as written. Values too big to build that break a rule (they are only shown)
+    come as placeholders whose kind_name says what they are. A broken rule is a FormatError
+    naming it and the tensor involved."""
     # serde's integer rules (``-0``, numbers beyond a double) need a Python hook per integer;
     # a header without such tokens (every real one) parses with the C scanner's own ints
     ints = data.find(b"-0", start, stop) >= 0 or data.translate(_DIGITS_AS_ZERO).find(_LONG_DIGITS, start, stop) >= 0
     # surrogate code points only come from \u escapes (the bytes are checked UTF-8)
     strings = bool(SURROGATE_ESCAPE.search(text)) and lone_surrogate(text) >= 0
-    reading = _Reading(_DECODERS[_parse_int if ints else None], strings)
-    obj = _plain_header_object(text, reading)
-    return _read_header_object(text, reading) if obj is None else obj
+    return _read_header_object(text, _Reading(_DECODERS[_parse_int if ints else None], strings))

@@ -47,6 +47,20 @@ def test_a_load_packs_the_small_tensors_and_gives_each_its_own_array(tiny, recor
         assert a.flags.writeable and not np.shares_memory(a, b)
 
 
+@pytest.mark.parametrize("shape", [(3,), (2, 3), ()])
+def test_a_chunk_of_equal_tensors_gives_each_its_own_array(shape, tmp_path):
+    """A shared chunk whose tensors all have one dtype and shape is landed as the rows of one array,
+    each copied: every array is still its own, of its shape, writable."""
+    want = {f"t{i:04}": np.full(shape, i, np.float32) for i in range(1000)}
+    path = str(tmp_path / "equal.safetensors")
+    stn.save_file(want, path)
+    got = fs.load_file(path, threads=2)
+    _same(got, want)
+    arrays = list(got.values())
+    assert all(a.flags.writeable and a.flags.owndata and a.flags.c_contiguous for a in arrays)
+    assert not any(np.shares_memory(a, b) for a, b in zip(arrays, arrays[1:]))
+
+
 def test_a_tensor_waited_for_alone_lands_with_its_shared_chunk(tiny):
     path, want = tiny
     h = fs.load_file(path, background=True, threads=2)

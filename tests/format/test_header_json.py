@@ -144,8 +144,8 @@ def test_any_json_anywhere_gets_the_reference_verdict(text, where, spread):
 @bounded(200)
 @given(text=json_texts(), spread=st.booleans())
 def test_headers_laid_out_any_way_agree(text, spread):
-    """Entries with their fields in any order and spacing (read member by member, not as the
-    plain form) and the same header compact give the same verdict."""
+    """Entries with their fields in any order and spacing and the same header compact give the
+    same verdict."""
     compact = _header(text, "unknown-field", False)
     try:
         laid_out = json.dumps(json.loads(compact), indent=2 if spread else None, ensure_ascii=False)

@@ -1,8 +1,5 @@
-"""Destinations: the arrays a load fills, allocated as the pipeline reaches them or given.
-
-A load produces one array per ``plan.Destination``. New arrays come from the framework (numpy,
-cupy or torch) on the device each destination is placed on; ``load_into`` hands in existing
-ones. The pipeline only ever sees each destination's ``Buffer`` (host bytes or a device address).
+"""Destinations: the arrays a load fills (one per ``plan.Destination``), made by the framework
+as the pipeline reaches them or handed in by ``load_into``; the pipeline sees only ``Buffer`` s.
 """
 
 from __future__ import annotations
@@ -17,13 +14,8 @@ from .frameworks import Buffer, Framework
 
 
 class Destinations:
-    """Where each destination of a plan lands.
-
-    ``Destinations.allocate`` makes new arrays lazily, in the worker that reaches a destination's
-    first chunk: device allocation (cudaMalloc behind the framework's allocator) overlaps the
-    reads instead of preceding them all, and the first tensor is not held up by the last one's
-    allocation. ``Destinations.fixed`` wraps existing buffers (load_into).
-    """
+    """Where each destination of a plan lands. ``allocate`` makes new arrays lazily, as their
+    first chunk is reached, so allocation overlaps the reads; ``fixed`` wraps existing buffers."""
 
     def __init__(self, n: int, devices_of: list[Device], make=None, buffers: list[Buffer] | None = None,
                  arrays: list | None = None, devices: set[Device] | None = None, copies=None,
@@ -46,8 +38,7 @@ class Destinations:
         devices = {device} if isinstance(device, Device) else set(per_dest)
         for dev in sorted(devices, key=str):
             if dev.is_cuda:
-                # the framework's allocator may hand back blocks that work already queued on its
-                # stream still reads; our copies run on other streams, so let that work finish first
+                # blocks the allocator hands back may still be read by work queued on its stream
                 framework.settle(dev)
 
         def make(d: int):
@@ -64,8 +55,7 @@ class Destinations:
         return cls(len(buffers), [b.device for b in buffers], buffers=buffers, arrays=arrays)
 
     def buffer(self, d: int) -> Buffer:
-        """Destination ``d``'s buffer, made outside the lock by the first thread that needs it: one
-        held through each allocation kept workers off until the allocating thread's last one."""
+        """Destination ``d``'s buffer, made outside the lock by the first thread that needs it."""
         b = self.buffers[d]
         if b is not None:
             return b
@@ -90,9 +80,8 @@ class Destinations:
         return b
 
     def shared_chunk(self, ds: range) -> Iterator[Buffer]:
-        """The buffers of the tensors of a shared chunk, made as they are reached. Only the worker
-        landing that chunk makes them (the allocating thread leaves them alone), so without the
-        lock: two workers taking it for each of a million tiny tensors took 1.4x as long."""
+        """The buffers of the tensors of a shared chunk, made as they are reached, without the lock:
+        only the worker landing that chunk makes them."""
         buffers = self.buffers
         for d in ds:
             b = buffers[d]
@@ -104,10 +93,7 @@ class Destinations:
 
     def land_shared(self, ds: range, view) -> None:
         """The tensors of a shared chunk from its host bytes ``view`` (back to back, in file order):
-        new arrays made from them (one step per tensor: a million tiny tensors are a million of
-        them), or copied into the arrays given. Only the worker landing that chunk touches these
-        destinations (as in ``shared_chunk``); an array made here gets its ``Buffer`` only if one
-        is asked for."""
+        new arrays made from them, or copied into the arrays given (only by the chunk's worker)."""
         if self._copies is not None:
             self.arrays[ds.start:ds.stop] = self._copies(ds, view)
             return
@@ -119,15 +105,9 @@ class Destinations:
 
     def allocate_ahead(self, order: Sequence[int], stop: threading.Event,
                        then: Callable[[], None] | None = None) -> workers.Task | None:
-        """Allocate destinations in ``order`` on one thread, ahead of the workers that need them.
-
-        Sixteen workers each allocating the destination they reach contend for the GIL and the
-        framework allocator's lock: on the H200, 291 allocations of a tensor-parallel shard
-        cost ~40 ms of a ~110 ms load (preallocated: ~70 ms). One thread running ahead does them
-        back to back; a worker that overtakes it allocates for itself, as before. A failure here
-        (out of memory) is left for that worker to meet and report, naming the tensor.
-        ``then`` runs when it stops, however it stops (the loader starts its held-back workers).
-        """
+        """Allocate destinations in ``order`` on one thread, ahead of the workers (which, each
+        allocating their own, contend for the GIL and the allocator's lock); a worker that overtakes
+        it allocates for itself and reports any failure. ``then`` runs when it stops, however."""
         if self._make is None:
             return None
 

@@ -1,7 +1,5 @@
-"""Frameworks: numpy, cupy and torch views of landed bytes, passed down the pipeline as a value.
-
-A framework allocates each tensor's destination (``empty``) and tells the pipeline where its
-bytes live (``buffer``); the stages never branch on the framework, they only see a ``Buffer``.
+"""Frameworks: numpy, cupy and torch arrays for landed bytes. A framework allocates each
+destination (``empty``) and says where its bytes live (``buffer``); the stages see only a ``Buffer``.
 """
 
 from __future__ import annotations
@@ -61,8 +59,7 @@ _DTYPE, _SHAPE = operator.itemgetter(1), operator.itemgetter(2)   # of a plan.De
 
 
 def _alike(dests: Sequence) -> bool:
-    """Whether the destinations all have one dtype and one shape, not a scalar's (whose rows of a
-    1-D array would be numpy scalars)."""
+    """Whether the destinations all have one dtype and one shape, not a scalar's."""
     _, dtype, shape, _ = dests[0]
     n = len(dests)
     return (bool(shape) and dests[-1][1] is dtype and dests[-1][2] == shape   # (the last first: cheap)
@@ -88,14 +85,12 @@ class NumpyFramework:
         return arr, _new(Buffer, (CPU, arr.nbytes, flat.view(np.uint8), 0))   # Buffer(...), without its __new__
 
     def copies(self, view: np.ndarray, dests: Sequence, device: Device) -> list[np.ndarray]:
-        """New arrays of the destinations (``plan.Destination`` s) lying back to back in the host
-        bytes ``view``, each a copy of its bytes (a shared chunk of tiny tensors: one array made
-        per tensor, not an empty one, its byte view and a slice assignment)."""
+        """New arrays, each a copy, of the destinations (``plan.Destination`` s) lying back to back in ``view``."""
         if device.is_cuda:
             raise OptionError("framework 'numpy' holds host arrays only; use device='cpu' or framework='cupy'/'pt'")
         make, copy = np.ndarray, np.ndarray.copy
-        if _alike(dests):   # (a file of equal tiny tensors) the rows of one array over the bytes, each
-            _, dtype, shape, _ = dests[0]   # copied: half the time of an array made per tensor
+        if _alike(dests):   # equal tensors: the rows of one array over the bytes, each copied
+            _, dtype, shape, _ = dests[0]
             return list(map(copy, make((len(dests), *host_shape(dtype, shape)), dtype.numpy, view)))
         out = []
         add = out.append
@@ -233,16 +228,14 @@ class TorchFramework:
             raise DeviceOutOfMemoryError(str(device), tensor, int(np.prod(shp)) * max(1, dtype.itemsize)) from None
 
     def new(self, dtype: DType, shape, device: Device, tensor: str = ""):
-        """A new tensor and its Buffer (a load's destination; device and dtype resolved once per
-        framework: a load makes hundreds, holding the GIL)."""
+        """A new tensor and its Buffer (a load's destination)."""
         t = self.empty(dtype, shape, device, tensor)
         if not device.is_cuda:
             return t, self.buffer(t)
         return t, Buffer(device, t.numel() * t.element_size(), None, t.data_ptr())
 
     def copies(self, view: np.ndarray, dests: Sequence, device: Device) -> list:
-        """New host tensors of the destinations lying back to back in ``view``, each filled with a
-        copy of its bytes (a storage of its own)."""
+        """New host tensors, each a copy with a storage of its own, of the destinations lying in ``view``."""
         out, pos = [], 0
         for name, dtype, shape, nbytes in dests:
             t, buf = self.new(dtype, shape, device, name)
@@ -282,8 +275,7 @@ _FRAMEWORKS = {"numpy": NumpyFramework, "np": NumpyFramework, "cupy": CupyFramew
 
 def get_framework(framework: str | None, device: Device):
     """The framework that makes a load's arrays on ``device`` (None: numpy on the host, cupy on a
-    GPU), its library imported (a missing one: an error saying how to install it; torch also
-    brings the CUDA runtime a GPU load can use without cupy)."""
+    GPU), its library imported (a missing one: an error saying how to install it)."""
     if framework is None:
         framework = "numpy" if not device.is_cuda else "cupy"
     cls = _FRAMEWORKS.get(framework) if isinstance(framework, str) else None

@@ -1,11 +1,8 @@
 """The loader: checkpoint -> plan -> sources -> staging -> target -> framework arrays.
 
-Every load takes one route. ``load_file`` (in this process) and ``load_into`` open the checkpoint
-and select its tensors; ``prepare`` decides once how each file is read (``io.read_policy``: one
-residency sample per file) and makes the plan for it in one call (``format.plan.plan_load``);
-``open_sources`` opens each file as its policy says; a ``LoadInFlight`` runs the plan (workers ->
-target). ``safe_open`` and the background ``LoadHandle`` are front ends over the same pieces, and
-the public ``fs.load_file`` (``api``) adds loading across a torch.distributed group.
+``load_file`` and ``load_into`` select tensors; ``prepare`` decides how each file is read and
+makes the plan; ``open_sources`` opens the files; a ``LoadInFlight`` runs the plan. ``safe_open``,
+``LoadHandle`` and the public ``fs.load_file`` (``api``) are front ends over the same pieces.
 """
 
 from __future__ import annotations
@@ -70,8 +67,7 @@ def shard_indices(ck: Checkpoint, names: list[str], shard: TPSlice | None) -> di
 
 
 class Prepared(NamedTuple):
-    """What a load runs: its plan, its settings (a checksum's blocks may enlarge the chunks), how
-    each file is read, and the check of its checksums (None without ``verify``)."""
+    """What a load runs: its plan, settings, files' read policies and checksum check (or None)."""
     plan: LoadPlan
     settings: _settings.Settings
     policies: list[ReadPolicy]
@@ -85,10 +81,8 @@ def prepare(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, device
 
     ``devices``: where the selections land (one for all, or one each). ``verify``: every tensor is
     checked against its saved digests (``verifier``: a check made by the caller instead).
-    ``order``: "whole" for a load awaited whole (cold files read as streams, the smallest chunks
-    last), "selection" for one taken tensor by tensor, "by_device" for a device_map.
-    ``policies``: the files' policies decided before (a ``safe_open`` handle's, for the files it
-    keeps open; empty for sources that are not files): not sampled again.
+    ``order``: "whole", "selection" or "by_device" (``format.plan.plan_load``). ``policies``: the
+    files' policies decided before (a ``safe_open`` handle's): not sampled again.
     """
     per = [devices] * len(sels) if isinstance(devices, Device) else list(devices)
     if verify and verifier is None:
@@ -104,7 +98,7 @@ def prepare(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, device
         if order == "whole":
             order = "selection"   # tensors are checked as they land, in plan order
     if policies is None:
-        # (the selections with an index picked in C: a whole load of 100k tensors has none)
+        # the selections with an index, picked in C (a whole load has none)
         indexed = itertools.compress(sels, map(operator.is_not, map(_INDEX, sels), itertools.repeat(None)))
         strided = {f for f, _, _, index, _ in indexed if isinstance(index, tuple) and len(index) > 1}
         with _gone_is_replaced():
@@ -118,8 +112,7 @@ def prepare(ck: Checkpoint, sels: list[Selection], s: _settings.Settings, device
 
 @contextlib.contextmanager
 def _gone_is_replaced():
-    """A file whose header was read and that is gone now was replaced (a re-save into its directory
-    with another layout removed it): FormatError ``file-replaced``, which starts the load over."""
+    """A file gone since its header was read was replaced: FormatError ``file-replaced``."""
     try:
         yield
     except FileNotFoundError as e:
@@ -128,8 +121,7 @@ def _gone_is_replaced():
 
 
 def open_sources(ck: Checkpoint, policies: Sequence[ReadPolicy]) -> list[FileSource]:
-    """One open source per file, opened as its policy says and checked to be the file whose
-    header we hold (FormatError ``file-replaced`` otherwise)."""
+    """One open source per file, opened as its policy says, checked to be the file whose header we hold."""
     out: list[FileSource] = []
     try:
         with _gone_is_replaced():
@@ -156,8 +148,7 @@ _REOPEN_ATTEMPTS = 3
 
 def reopen_if_replaced(fn):
     """Start a load over when a file was replaced between its header read and its opening (a
-    concurrent atomic save renamed a new version over it): the new version is read from scratch.
-    Nothing has been allocated on a device or written to a store by then."""
+    concurrent save), before anything is allocated or written."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         for attempt in range(_REOPEN_ATTEMPTS):
@@ -207,19 +198,15 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
 def load_into(store: MutableMapping[str, Any], source, strict: bool = True, *, shard: TPSlice | None = None,
               verify: bool = False, names: Names = None, progress: bool | None = None,
               **options) -> dict[str, str]:
-    """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata.
-
-    With ``shard=TPSlice(rank, world_size, dim)`` the store holds this rank's slices (their
-    shapes are checked against the slices, not the whole tensors).
+    """Fill the existing arrays of ``store`` in place from a checkpoint; returns its metadata
+    (``{}`` for none). With ``shard=TPSlice(rank, world_size, dim)`` the store holds this rank's slices.
 
     Every name, shape and dtype is checked before any byte is written; a mismatch (and, with
     ``strict``, a missing or unexpected name) raises StoreMismatchError listing them all, with
     the store untouched. With ``strict=False`` missing/unexpected names are skipped and reported
-    as a LoadIntoWarning. A file without metadata gives ``{}`` (the seed's contract: a map).
-    With ``verify=True`` each tensor is checked against its saved digest as it lands; on a
-    mismatch ChecksumError is raised and the store's contents are unspecified. ``names`` (as in
-    load_file) limits which checkpoint tensors are considered at all; the others are neither
-    read nor reported.
+    as a LoadIntoWarning. With ``verify=True`` each tensor is checked against its saved digest as
+    it lands (ChecksumError on a mismatch, the store's contents then unspecified). ``names`` (as
+    in load_file) limits which checkpoint tensors are considered at all.
     """
     s = _settings.merge(**options)
     ck = open_checkpoint(source)

@@ -1,11 +1,9 @@
 """The dtype table: every safetensors dtype, its bit size and its host/torch types.
 
-One table shared by parser, loader, saver and frameworks. The order of ``DTYPES`` is the
-reference's enum order, which its serializer sorts by (descending), so it is part of the format.
-
-The host types of bf16 and the fp8 family come from ml_dtypes, imported only when a numpy array
-of one of them is made or met (``DType.numpy``): its import took 0.26 s in a fresh process on
-the H200 machine and 0.5 s on a 2-vCPU box, and torch and cupy outputs never need it.
+The order of ``DTYPES`` is the reference's enum order, which its serializer sorts by, so it is
+part of the format. The host types of bf16 and fp8 come from ml_dtypes, imported only when a
+numpy array of one is made or met (``DType.numpy``): its import is slow, and torch and cupy
+outputs never need it.
 """
 
 from __future__ import annotations
@@ -118,12 +116,9 @@ def from_torch(dtype) -> DType:
 
 
 def host_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape of the host array holding a tensor of logical ``shape``.
-
-    Byte types keep their shape. Sub-byte types (F4, F6_*) are returned as raw packed uint8:
-    the last dimension shrinks by bits/8 when it packs into whole bytes (F4 ``[n, 2k]`` ->
-    ``[n, k]``, the layout torch's ``float4_e2m1fn_x2`` uses), otherwise a flat byte vector.
-    """
+    """Shape of the host array holding a tensor of logical ``shape``. Sub-byte types (F4, F6_*) are
+    raw packed uint8: the last dimension shrinks by bits/8 when it packs into whole bytes (F4
+    ``[n, 2k]`` -> ``[n, k]``, torch's ``float4_e2m1fn_x2`` layout), else a flat byte vector."""
     if not dtype.sub_byte:
         return shape
     if shape and (shape[-1] * dtype.bits) % 8 == 0:

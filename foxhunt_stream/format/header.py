@@ -15,12 +15,9 @@ that every file we accept the reference accepts too: no NaN/Infinity literals, n
 surrogate escapes anywhere, ``-0`` is a float (so not a valid shape/offset), numbers must
 fit a double, and objects/arrays nest at most ``json_scan.MAX_JSON_DEPTH`` deep.
 
-A header in the form every writer produces is read as columns of its entries' fields
-(``header_plain``); any other, or one that breaks a rule, member by member (``header_json``),
-which costs time and memory in proportion to what the reader keeps, not to what a header holds:
-the values of fields the format ignores are checked without being built (``json_scan``).
-
-Every rule is a ``FormatError`` whose ``rule`` attribute names it.
+A header in the writers' form is read as columns (``header_plain``); any other, or one that
+breaks a rule, member by member (``header_json``). Every rule is a ``FormatError`` whose ``rule``
+attribute names it.
 """
 
 from __future__ import annotations
@@ -43,14 +40,11 @@ MAX_HEADER_SIZE = 100_000_000
 JSON_START = b"{ \t\r\n"   # what a header may begin with (JSON whitespace, then its object)
 _U64_MAX = 2**64 - 1
 _I64_MAX = 2**63 - 1
-# MAX_DIMS, 64 (from header_plain, which checks it too): numpy's limit (numpy.MAXDIMS); each dimension
-# and size must also fit a signed 64-bit int
 
 
 class TensorInfo(NamedTuple):
-    """One tensor of a file: where its bytes are, relative to the start of the data region.
-    A tuple, not a frozen dataclass: a load parses one per tensor before its first read, and a
-    frozen dataclass's __init__ costs ~2.5x a tuple's."""
+    """One tensor of a file: where its bytes are, relative to the start of the data region (a
+    tuple: a load makes one per tensor before its first read)."""
     name: str
     dtype: DType
     shape: tuple[int, ...]
@@ -95,8 +89,7 @@ class Header(NamedTuple):
 
 def read_header_len(prefix: bytes, file_size: int) -> int:
     """Validate the 8-byte length prefix against the file size; returns n. ``prefix`` may go on
-    into the header: an impossible length followed by anything but the JSON header's start means
-    the file is not safetensors at all (a PNG, random bytes), and is said so."""
+    into the header: an impossible length then not followed by JSON is ``not-safetensors``."""
     if len(prefix) < N_LEN or file_size < N_LEN:
         raise FormatError("header-too-small", f"file has {file_size} bytes, fewer than the 8-byte length prefix")
     (n,) = struct.unpack("<Q", prefix[:N_LEN])
@@ -110,7 +103,6 @@ def read_header_len(prefix: bytes, file_size: int) -> int:
     if N_LEN + n > file_size:
         raise FormatError("header-length", f"header length {n} runs past the end of the {file_size}-byte file")
     return n
-
 
 
 def _metadata(value) -> dict[str, str] | None:
@@ -127,8 +119,7 @@ def _metadata(value) -> dict[str, str] | None:
 
 def check_size(t: TensorInfo) -> None:
     """dtype x shape must be a whole number of bytes, within 64 bits, and span the tensor's offsets."""
-    # Overflow is checked on every partial product, as the reference's checked_mul fold does:
-    # [2**40, 2**40, 0] is rejected although it holds no element.
+    # every partial product is checked, as the reference's checked_mul fold does ([2**40, 2**40, 0] fails)
     numel = 1
     for s in t.shape:
         numel *= s
@@ -150,8 +141,7 @@ def check_size(t: TensorInfo) -> None:
 
 def check_empty_shape(t: TensorInfo) -> None:
     """An empty tensor (a zero in its shape) must still be an array numpy can make: each dimension,
-    and the bytes of its non-zero dimensions, below 2**63 (numpy's intp). The reference takes any
-    such shape whose partial products fit 64 bits; a tensor with data is bounded by the file."""
+    and the bytes of its non-zero dimensions, below 2**63 (numpy's intp)."""
     size = max(1, t.dtype.bits // 8)
     for s in t.shape:
         if s:
@@ -163,11 +153,7 @@ def check_empty_shape(t: TensorInfo) -> None:
 
 def tile_data_region(infos: list[TensorInfo]) -> int:
     """Sort ``infos`` into file order, check that they tile the data region (no gap, no overlap)
-    and that each one's size fits its offsets; returns the data region's length.
-
-    Checked at once first (loops in C): in file order already, from 0 with no gap, every size
-    what its dtype and shape need, none empty and every bit count within 64 bits; else, or to
-    say which rule breaks where, sorted and checked tensor by tensor."""
+    and that each one's size fits its offsets; returns the data region's length."""
     starts, ends = list(map(_START, infos)), list(map(_END, infos))
     numels = list(map(math.prod, map(_SHAPE, infos)))
     if (starts[:1] == [0] and starts[1:] == ends[:-1] and ends[-1] * 8 <= _U64_MAX and 0 not in numels
@@ -187,8 +173,7 @@ def tile_data_region(infos: list[TensorInfo]) -> int:
         for s in shape:
             numel *= s
         nbits = numel * dtype.bits
-        # with no zero dim the partial products only grow: the last one bounds them all; anything
-        # else (an empty tensor, a size that does not fit) takes the rule by rule check
+        # with no zero dim the last partial product bounds them all; else check rule by rule
         if not numel or numel > _U64_MAX or nbits > _U64_MAX or nbits != (end - start) * 8:
             check_size(t)
     return pos
@@ -200,12 +185,8 @@ _BITS = operator.attrgetter("bits")
 
 
 def parse_header(header_bytes: bytes, file_size: int) -> Header:
-    """Parse and validate a whole header (``header_bytes`` = the 8-byte prefix + JSON).
-
-    ``file_size`` is the size of the file it came from: the data region must end exactly there.
-    Nothing is allocated in proportion to what the header claims, nor to what it holds in
-    fields the format ignores.
-    """
+    """Parse and validate a whole header (``header_bytes`` = the 8-byte prefix + JSON) of a file of
+    ``file_size`` bytes, where the data region must end."""
     n = read_header_len(header_bytes, file_size)
     if len(header_bytes) < N_LEN + n:
         raise FormatError("header-length", f"header length {n} but only {len(header_bytes) - N_LEN} header bytes given")
@@ -291,12 +272,8 @@ def layout(entries: Iterable[tuple[str, DType, tuple[int, ...]]]) -> list[Tensor
 
 
 def serialize_header(tensors: Iterable[TensorInfo], metadata: Mapping[str, str] | None) -> bytes:
-    """The 8-byte prefix plus JSON, byte-identical to the reference for the same layout.
-
-    JSON is compact, ``__metadata__`` first, each entry as dtype, shape, data_offsets, padded
-    with spaces to a multiple of 8. (The reference writes metadata keys in hash order, so with
-    two or more keys its bytes vary run to run; we write them sorted.)
-    """
+    """The 8-byte prefix plus JSON, byte-identical to the reference for the same layout: compact,
+    ``__metadata__`` first (its keys sorted; the reference's are in hash order), padded to 8."""
     parts = []
     if metadata is not None:
         for k, v in metadata.items():

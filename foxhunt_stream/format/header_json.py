@@ -1,8 +1,6 @@
-"""A safetensors header's JSON, read as serde_json reads it: the top-level object, member by
-member, with each tensor entry's known fields built and the values of the fields the format
-ignores checked without being built (json_scan), so that reading costs what the reader keeps,
-and every rule checked in text order. (A header in the form every writer produces is read
-first by ``header_plain``, which leaves any other, and any that breaks a rule, to this reader.)
+"""A safetensors header's JSON read as serde_json reads it, member by member: each tensor entry's
+known fields built, those the format ignores checked without being built (json_scan), every rule
+in text order. For headers ``header_plain`` leaves: another form, or a broken rule.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ def _reject_constant(token: str):
     raise FormatError("header-json", f"non-standard JSON constant {token}")
 
 
-# what _parse_int treats specially: "-0", and a run of 300 digits (found with bytes.translate,
-# in C; a regex tries a match at every digit and costs more than the hook saves)
+# what _parse_int treats specially: "-0", and a run of 300 digits (found in C by bytes.translate)
 _DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _LONG_DIGITS = b"0" * 300
 
@@ -64,8 +61,7 @@ class _Reading(NamedTuple):
     strings: bool               # some \u escape may be a lone surrogate: check every string
 
 
-# the values of a known field that are built as they are: a string, a number, a literal, an
-# array of numbers (anything else is invalid there, and is checked and shown, not built)
+# the values of a known field that are built: a string, a number, a literal, an array of numbers
 _FLAT_FIELD = re.compile("(?:" + STRING + "|" + NUMBER + r"|true|false|null|\[" + WS + "(?:" + NUMBER + "(?:"
                          + WS + "," + WS + NUMBER + ")*" + POSSESSIVE + ")?" + WS + r"\])")
 
@@ -121,8 +117,7 @@ def _read_object(text: str, pos: int, read_value: Callable, repeated: Callable, 
 
 
 def _read_field(text: str, pos: int, name: str, key: str, reading: _Reading):
-    """A tensor entry's field: dtype, shape and data_offsets as ``json`` builds them, any other
-    field checked and dropped."""
+    """A tensor entry's field: dtype, shape and data_offsets built, any other checked and dropped."""
     if key not in KNOWN_FIELDS:
         return _IGNORED, skip_value(text, pos, 3, name, reading.strings)
     if not _FLAT_FIELD.match(text, pos):
@@ -197,11 +192,9 @@ def header_text(data: bytes, start: int, stop: int) -> str:
 
 
 def read_header_object(text: str, data: bytes, start: int, stop: int) -> dict:
-    """The header's top-level object from its JSON ``text`` (``data[start:stop]`` decoded), read
-    member by member: each tensor entry a dict of its known fields (an unknown one holds None),
-    ``__metadata__`` as written. Values too big to build that break a rule (they are only shown)
-    come as placeholders whose kind_name says what they are. A broken rule is a FormatError
-    naming it and the tensor involved."""
+    """The header's top-level object from its JSON ``text`` (``data[start:stop]`` decoded), as
+    ``_read_header_object`` gives it; values too big to build that break a rule come as
+    placeholders whose kind_name says what they are."""
     # serde's integer rules (``-0``, numbers beyond a double) need a Python hook per integer;
     # a header without such tokens (every real one) parses with the C scanner's own ints
     ints = data.find(b"-0", start, stop) >= 0 or data.translate(_DIGITS_AS_ZERO).find(_LONG_DIGITS, start, stop) >= 0

@@ -1,21 +1,12 @@
-"""A header in the form every writer produces, read in one regex pass: an object of tensor
-entries, each holding exactly the fields dtype (a string), shape (an array of integers) and
-data_offsets (two integers), in the order the first entry gives, with any JSON whitespace
-between tokens, after a ``__metadata__`` object of string to string if there is one, in first
-place, where the writers put it. (Every other member must be a tensor's entry: a text of millions
-of short members that are not, string maps or __metadata__ again, ends the pass at the first one
-instead of being captured whole.)
+"""A header in the form every writer produces, read in one regex pass: an optional leading
+``__metadata__`` object of string to string, then tensor entries holding exactly dtype, shape
+and data_offsets, in the order the first entry gives, with any JSON whitespace between tokens.
 
-``re.findall`` captures every entry's fields as text, and the columns of those texts become the
-values in C loops: a dtype or a shape is converted once per distinct text, each offset by
-``int``. Nothing is built per entry but its values, so a file of a million tiny tensors reads
-at the speed of its text. Every entry it returns is valid by the format's entry rules, and the
-header valid JSON; what it cannot vouch for (another form, an invalid value, an escape that may
-be a lone surrogate, a repeated key) it leaves to ``header_json``, which reads every form
-member by member and says what is wrong where: None. Pure functions, no I/O.
-
-Each regex match starts where the last one ended: a member that does not match ends the pass
-in a match of the rest of the text (``_REST``), so a text costs one pass whatever it holds.
+``re.findall`` captures the entries' fields as text, whose columns become values in C loops (a
+dtype or shape once per distinct text). What it cannot vouch for (another form, an invalid
+value, a possible lone surrogate, a repeated key) gives None, for ``header_json`` to read
+member by member and say what is wrong. A member that does not match ends the pass in a match
+of the rest of the text (``_REST``): one pass whatever the text holds. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -34,11 +25,9 @@ _U64_MAX = 2**64 - 1
 FIELDS = ("dtype", "shape", "data_offsets")
 _TAIL = 64             # the most whitespace after the header's object it looks past
 
-# an integer of at most 20 digits (a 64-bit one, or a bigger one the caller's check refuses: one
-# of more digits, which int() would refuse past 4300, is left to the member-by-member reader)
+# an integer of at most 20 digits (longer ones are left to the member-by-member reader)
 _INT = "(?:0|[1-9][0-9]{0,19}" + _P + ")"
-# a JSON string's text: runs of plain characters taken whole where re has possessive quantifiers
-# (without them, one character a step: a run inside a repetition could backtrack without end)
+# a JSON string's text; without possessive quantifiers one character a step (no endless backtracking)
 _CHARS = r'(?:[^"\\\x00-\x1f]' + (_P and "+" + _P) + r'|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*' + _P
 _STRING = '"' + _CHARS + '"'
 _VALUES = {   # a field's value, its parts captured
@@ -56,16 +45,13 @@ _WS_START = re.compile(WS)
 
 @functools.cache
 def _entry_pattern(order: tuple[str, ...]) -> re.Pattern:
-    """One member: its name and a tensor entry with the fields in ``order``, then _NEXT; else the
-    rest of the text (_REST). Groups: the name's text, then dtype, shape's numbers, start and end
-    in ``order``'s places."""
+    """One member (its name, then its fields in ``order``, each a group), then _NEXT; else _REST."""
     fields = ("(?:" + WS + "," + WS + ")").join('"' + f + '"' + WS + ":" + WS + _VALUES[f] for f in order)
     return re.compile('"(' + _CHARS + ')"' + WS + ":" + WS + r"\{" + WS + fields + WS + r"\}" + _NEXT + "|" + _REST)
 
 
 class PlainHeader(NamedTuple):
-    """The header's tensors as columns, in file (text) order; names may repeat (the caller's name
-    map finds it)."""
+    """The header's tensors as columns, in file (text) order; names may repeat (the caller checks)."""
     metadata: dict[str, str] | None
     names: tuple[str, ...]
     dtypes: list[DType]
@@ -75,8 +61,7 @@ class PlainHeader(NamedTuple):
 
 
 def _field_order(text: str, start: int) -> tuple[str, ...]:
-    """The fields' order in the first entry (at ``start``), from where each name first appears (a
-    guess: should it be wrong, the entries do not match and the header is read member by member)."""
+    """The fields' order in the first entry (at ``start``), guessed from where each name first appears."""
     first = {f: text.find('"' + f + '"', start) for f in FIELDS}
     return tuple(sorted(FIELDS, key=first.__getitem__)) if -1 not in first.values() else FIELDS
 
@@ -97,8 +82,7 @@ def _string_map(text: str) -> dict[str, str] | None:
 
 
 def _object_span(text: str) -> tuple[int, int] | None:
-    """Where the members of the top-level object begin and end (its '{' and '}' excluded, and the
-    whitespace after the '{'), or None if the text is not '{' ... '}' within whitespace."""
+    """Where the members of the top-level object begin and end, or None if it is not '{' ... '}'."""
     start = _WS_START.match(text).end()
     tail = text[-_TAIL:]
     stop = len(text) - len(tail) + len(tail.rstrip(" \t\r\n")) - 1
@@ -108,8 +92,7 @@ def _object_span(text: str) -> tuple[int, int] | None:
 
 
 def read_plain(text: str) -> PlainHeader | None:
-    """The header JSON ``text`` read as the form every writer produces, every entry checked; None
-    when it is not in that form or something in it breaks a rule (module docstring)."""
+    """The header JSON ``text`` read as the writers' form, every entry checked; None otherwise."""
     span = _object_span(text)
     if span is None:
         return None

@@ -1,12 +1,6 @@
 """numpy basic indexing reduced to byte runs: which bytes of a tensor ``tensor[index]`` reads.
-Pure functions, no I/O.
-
-``normalize_index`` turns an index (ints, positive-step slices, ``...``) into one item per
-dimension; ``slice_runs`` turns a tensor and an index into the result's shape and the ``Run`` s
-(2-D copies: ``height`` rows of ``width`` bytes, ``pitch`` apart at the source, packed at the
-destination) that read exactly the selected bytes. A whole tensor is one run; ``x[a:b]`` and
-``x[:, a:b]`` (what a tensor-parallel slice asks for) are one run each, found without the general
-machinery (``shard_run``).
+Pure functions, no I/O. ``slice_runs`` gives the result's shape and the ``Run`` s (2-D copies)
+that read exactly the selected bytes.
 """
 
 from __future__ import annotations
@@ -18,8 +12,7 @@ from ..errors import SliceError, UnsupportedTypeError
 from .header import TensorInfo
 
 
-class Run(NamedTuple):   # a tuple, not a frozen dataclass: a plan makes hundreds, and a frozen
-    # dataclass's __init__ costs ~5x a tuple's (a TP slice's plan: 3 ms -> 1 ms on an H200 machine)
+class Run(NamedTuple):   # a tuple, not a frozen dataclass: a plan makes hundreds
     src: int     # absolute offset of the first byte in the file (load) or in the tensor (save)
     pitch: int   # distance between row starts at the source
     width: int   # bytes per row
@@ -40,13 +33,10 @@ _new = tuple.__new__   # Run(...) without its Python-level __new__
 
 
 def normalize_index(index, shape: Sequence[int]) -> list[int | tuple[int, int, int]]:
-    """numpy basic indexing, reduced to one item per dimension.
-
-    An int (negative allowed) selects one element and drops the dimension; a slice with a
-    positive step becomes ``(start, count, step)``; ``...`` expands; missing trailing dims are
-    full; the empty list selects nothing (``x[[]]`` has shape ``[0, ...]``, as in safetensors).
-    Anything else (arrays, other lists, None, negative steps, bools) is refused: SliceError for
-    a value, UnsupportedTypeError for a type, both SafetensorErrors.
+    """numpy basic indexing, reduced to one item per dimension: an int (negative allowed) selects
+    one element and drops the dimension; a positive-step slice becomes ``(start, count, step)``;
+    ``...`` expands; missing trailing dims are full; the empty list selects nothing (as in
+    safetensors). Anything else is refused: SliceError for a value, UnsupportedTypeError for a type.
     """
     if not isinstance(index, tuple):
         index = (index,)
@@ -128,8 +118,7 @@ def slice_runs(info: TensorInfo, data_start: int, index=None) -> tuple[tuple[int
 
 
 def shard_run(info: TensorInfo, data_start: int, index: tuple) -> tuple[tuple[int, ...], list[Run]] | None:
-    """``x[a:b]`` or ``x[:, a:b]`` (what a tensor-parallel slice asks for), without the general
-    machinery: one run. None when the index is anything else (the general path decides)."""
+    """``x[a:b]`` or ``x[:, a:b]`` (a tensor-parallel slice) as one run; None for any other index."""
     shape = info.shape
     k = len(index) - 1
     if k >= len(shape) or info.dtype.sub_byte:
@@ -177,8 +166,7 @@ def _last_partial_dim(dims: Sequence[tuple[int, int, int]], shape: Sequence[int]
 
 def _outer_runs(base: int, first: int, width: int, pitch: int, height: int,
                 outer: list[tuple[int, int, int]], outer_strides: list[int]) -> list[Run]:
-    """One run (``height`` rows of ``width`` bytes from ``base + first``) per combination of the
-    outer dims' indices, in row-major order, packed one after another at the destination."""
+    """One run (``height`` rows of ``width`` bytes) per combination of the outer dims' indices, packed."""
     runs: list[Run] = []
     dst = 0
     counters = [0] * len(outer)

@@ -1,11 +1,5 @@
 """JSON values checked as serde_json reads them, without building them: the values of fields
-the safetensors format ignores must still be JSON the reference takes.
-
-Rules (serde_json's, and our stricter one): valid JSON, containers nested at most
-MAX_JSON_DEPTH deep, numbers that fit a double, no lone surrogate escape, and no key twice in an
-object (serde keeps the last). ``skip_value`` is iterative and holds only the keys of the open
-objects; runs of small values go through one regex match each, so a field of 33 million empty
-arrays costs about what its text does.
+the safetensors format ignores must still be JSON the reference takes (``skip_value``).
 """
 
 from __future__ import annotations
@@ -21,8 +15,7 @@ from ..errors import FormatError
 
 MAX_JSON_DEPTH = 127   # serde_json's recursion limit: the 128th nested '[' or '{' is an error
 
-# Patterns. Possessive quantifiers (Python 3.11+) keep the regex engine from saving a backtracking
-# point per repetition: a run of 33 million array elements then matches in constant memory.
+# Possessive quantifiers (Python 3.11+): no backtracking point saved per repetition (constant memory)
 _P = "+" if sys.version_info >= (3, 11) else ""
 POSSESSIVE = _P   # for patterns built elsewhere: "+" where re has possessive quantifiers
 WS = "[ \t\n\r]*" + _P
@@ -47,10 +40,8 @@ _KEY_CHECK_SPAN = 1 << 20   # the most text whose repeated keys one json.loads c
 
 
 def _flat_value(ws: str, members: int) -> str:
-    """One JSON value no deeper than _FLAT_LEVELS, whose containers hold at most 64 values (an
-    object: at most ``members``, so with 1 no key can repeat) and whose numbers are safe. It
-    checks every rule but nesting depth (the caller's), lone surrogates (``strings``) and, with
-    ``members`` > 1, repeated keys (_no_repeated_key)."""
+    """One JSON value no deeper than _FLAT_LEVELS, its containers of at most 64 values (objects: at
+    most ``members``) and safe numbers; every rule checked but depth, lone surrogates and repeated keys."""
     scalar = "(?:" + STRING + "|true|false|null|" + _SAFE_NUMBER + ")"
     value = scalar
     for _ in range(_FLAT_LEVELS):
@@ -65,9 +56,8 @@ def _flat_value(ws: str, members: int) -> str:
 @functools.cache
 def _flat_patterns() -> tuple[tuple[re.Pattern, re.Pattern, bool], ...]:
     """(a value, a run of array elements each followed by a comma, may repeat a key), in the
-    order to try them: compact JSON whose objects hold one member (nothing to check, no space to
-    match between tokens: about twice as fast), then any. A run is up to 4096 elements (64 where
-    keys are to be checked). Compiled on first use: most headers never need them."""
+    order to try them: compact JSON whose objects hold one member (nothing to check: faster), then
+    any. Compiled on first use: most headers never need them."""
     out = []
     for members, ws, longest in ((1, "", 4096), (64, WS, 64)):
         value = _flat_value(ws, members)
@@ -85,9 +75,8 @@ def ws_end(text: str, pos: int) -> int:
 
 
 def lone_surrogate(text: str, start: int = 0, end: int | None = None) -> int:
-    """Where the first lone surrogate escape in the JSON ``text[start:end]`` is, or -1. (Escapes
-    pair from the left: each escaped backslash is blanked first, so that "\\\\ud800", a backslash
-    and then text, is no escape.)"""
+    """Where the first lone surrogate escape in the JSON ``text[start:end]`` is, or -1 (escaped
+    backslashes blanked first: "\\\\ud800" is no escape)."""
     m = _LONE_SURROGATE.search(text[start:end].replace("\\\\", "  "))
     return -1 if m is None else start + m.start()
 
@@ -132,8 +121,7 @@ def _unique_keys(pairs: list) -> None:
 
 def _no_repeated_key(text: str, start: int, end: int, run: bool, tensor: str | None) -> bool:
     """Whether no object in ``text[start:end]`` (a value, or a run of elements each followed by a
-    comma) repeats a key; False when the span is too long to check in one json call (its values
-    are then read one by one). A repeated key is the FormatError."""
+    comma) repeats a key (else FormatError); False when the span is too long for one json call."""
     if text.find(":", start, end) < 0:
         return True
     if end - start > _KEY_CHECK_SPAN:
@@ -203,11 +191,8 @@ def skip_value(text: str, pos: int, level: int, tensor: str | None, strings: boo
     our stricter rules, without building it: valid JSON, containers nested at most MAX_JSON_DEPTH
     deep (``level``: the depth the value's own container would have), no key twice in an object,
     numbers that fit a double, and (``strings``: some string of the text may hold one) no lone
-    surrogate escape. A problem is a FormatError naming ``tensor``.
-
-    Iterative, with a stack of the open containers (None for an array, the set of its keys for an
-    object); runs of small values go through one regex match each (_flat_patterns), so a long
-    array costs about what its text does and holds nothing of it."""
+    surrogate escape. A problem is a FormatError naming ``tensor``. Iterative, with a stack of the
+    open containers; runs of small values take one regex match each (_flat_patterns)."""
     stack: list[set | None] = []
     expect_value = True
     while True:

@@ -1,18 +1,10 @@
 """Planning: which bytes of which file land where. Pure functions, no I/O, no device.
 
-A load is a list of ``Chunk`` s. Each chunk is one 2-D copy (``Run``, from ``indexing``):
-``height`` rows of ``width`` bytes, the rows ``pitch`` bytes apart in the file and packed in the
-destination. A whole tensor is one run of height 1; ``x[a:b]`` is one run; a column slice
-``x[:, a:b]`` is a run whose rows are the tensor's rows. A source reads such a strided run either
-as its whole row span (positional reads cannot skip the gaps between rows) or by gathering only
-its rows out of a mapping of the file; only the selected bytes land either way.
-``plan_load`` cuts the runs of the selections into chunks, by how each file is read (a strided
-run of a file that gathers by the bytes it lands, any other run by the span it reads; a file read
-from the disk in whole slots) and puts them in the order the workers take them, all in one call:
-the plan is made once. Small whole tensors lying back to back in a file (norms, biases, a file of
-thousands of tiny tensors) share one chunk: one read of their span, each copied out to its own
-array (a chunk costs a worker's dispatch and bookkeeping, ~7 us, whatever its size). The saver
-uses the same runs with height 1 to cut tensors into chunks (``plan_save``).
+A load is a list of ``Chunk`` s, each one 2-D copy (``Run``, from ``indexing``): a whole tensor,
+``x[a:b]`` or a column slice ``x[:, a:b]`` is one run. ``plan_load`` cuts the selections' runs
+into chunks by how each file is read and orders them for the workers, once per load; small whole
+tensors back to back in a file share one chunk (a chunk costs a worker's dispatch, whatever its
+size). ``plan_save`` cuts the tensors of a save the same way.
 """
 
 from __future__ import annotations
@@ -31,20 +23,15 @@ __all__ = ["Run", "Chunk", "members", "Destination", "LoadPlan", "Selection", "F
            "interleave_by_device", "span_bytes", "ORDERS"]
 
 T = TypeVar("T")
-# whole tensors under 1/PACK_FRACTION of the read piece share chunks (plan_load). Measured on
-# the dev box, host loads of one file of equal tensors (8 MiB pieces), shared chunks against one
-# each: 4 KiB tensors 130 against 205 ms, 32 KiB 46 / 79, 64 KiB 34 / 41, 128 KiB 26 / 26,
-# 256 KiB 20 / 17.5 (copied out of the slot rather than read straight into their arrays)
+# whole tensors under 1/PACK_FRACTION of the read piece share chunks (plan_load): above it, a
+# shared chunk's copy out of the slot cost more than the chunks it saved
 PACK_FRACTION = 64
-# Run(...), Chunk(...) and Destination(...) without their Python-level __new__: a 16 GB full load
-# plans ~3,900 chunks before its first read, at half the cost
-_new = tuple.__new__
+_new = tuple.__new__   # Run(...), Chunk(...), Destination(...) without their Python-level __new__
 
 
 class Chunk(NamedTuple):
     file: int    # index into the plan's files
-    # index into the plan's destinations; a range: several whole tensors, in file order, whose
-    # bytes lie back to back in ``run`` (each lands whole, its only chunk)
+    # index into the plan's destinations; a range: whole tensors lying back to back in ``run``
     dest: int | range
     run: Run
 
@@ -75,18 +62,14 @@ class LoadPlan(NamedTuple):
         return sum(map(_NBYTES, self.destinations))
 
     def dest_order(self) -> list[int]:
-        """Destinations with chunks of their own, in the order the pipeline first reaches them
-        (their first chunk's place); not the small tensors of a shared chunk."""
+        """Destinations with chunks of their own (not shared), in the order of their first chunks."""
         return list(dict.fromkeys(c.dest for c in self.chunks if type(c.dest) is int))
 
 
 def split_run(run: Run, max_bytes: int, granule: int = 1, packed: bool = False) -> list[Run]:
-    """Cut a run into pieces of at most ``max_bytes`` of source span, or with ``packed`` (the
-    source gathers the rows, touching nothing between them) of the bytes they land.
-
-    Whole rows are kept together when a row fits; a row wider than ``max_bytes`` is cut into
-    pieces that are multiples of ``granule`` bytes (except the last).
-    """
+    """Cut a run into pieces of at most ``max_bytes`` of source span (``packed``, the rows
+    gathered: of the bytes they land); whole rows stay together when a row fits, a wider row is
+    cut into multiples of ``granule`` bytes (except the last)."""
     if max_bytes <= 0:
         raise ValueError("chunk size must be positive")
     if (run.nbytes if packed else run.span) <= max_bytes:
@@ -103,8 +86,7 @@ def split_run(run: Run, max_bytes: int, granule: int = 1, packed: bool = False) 
             out.append(Run(src + r * pitch, pitch if h > 1 else width, width, h, dst + r * width))
         return out
     piece = max(granule, (max_bytes // granule) * granule)
-    if height == 1:   # a whole tensor or a dim-0 slice: the common case (a 16 GB full load cuts
-        # ~3,900 pieces), whole pieces in one comprehension, then the rest
+    if height == 1:   # a whole tensor or a dim-0 slice, the common case: whole pieces, then the rest
         whole = width - width % piece
         out = [_new(Run, (src + off, piece, piece, 1, dst + off)) for off in range(0, whole, piece)]
         if whole < width:
@@ -119,8 +101,7 @@ def split_run(run: Run, max_bytes: int, granule: int = 1, packed: bool = False) 
 
 
 class Selection(NamedTuple):
-    """One thing to load: a tensor of a file, optionally an index into it. A tuple: a load makes
-    one per tensor, before its first read."""
+    """One thing to load: a tensor of a file, optionally an index into it."""
     file: int
     data_start: int
     info: TensorInfo
@@ -137,8 +118,7 @@ class FileRead(Protocol):
     def stream(self, offset: int) -> int: ...   # the stream that reads ``offset``
 
 
-# how a plan orders its chunks: as selected (a caller waiting tensor by tensor), for a load
-# awaited whole (cold streams taken in turn, the smallest chunks last), by device (device_map)
+# how a plan orders its chunks (plan_load's ``order``)
 ORDERS = ("selection", "whole", "by_device")
 
 
@@ -150,28 +130,23 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
     A tensor cut into pieces is cut at multiples of ``granule`` (and of its itemsize) from its
     start: with checksum blocks as the granule, every chunk holds whole blocks (see integrity).
     ``files[f]`` says how file ``f`` is read (none given: positional reads of a cached file). The
-    strided runs of a file that gathers are cut by the bytes that land, so a chunk of a TP=8
-    column slice carries ``chunk_bytes`` of the slice rather than of the rows it crosses; every
-    other run is cut by the span it reads into pieces of ``read_bytes`` (default and at most
-    ``chunk_bytes``, a staging slot; never below the granule), or of a whole slot for a file read
-    from the disk (which serves bigger requests better). Gathers pay per chunk, positional reads
-    out of the page cache pay for a bigger ring of slots. Whole tensors (no index) of less than
-    1/64 of that piece, back to back in a file and for one device (``devices[d]``), share chunks
-    of at most a piece: a chunk's ``dest`` is then the range of them (not with a ``granule``
-    above 1: checksummed tensors keep chunks of their own).
+    strided runs of a file that gathers are cut by the bytes that land (``chunk_bytes`` of them);
+    every other run by the span it reads, into pieces of ``read_bytes`` (default and at most
+    ``chunk_bytes``; never below the granule), or of a whole slot for a file read from the disk.
+    Whole tensors (no index) under 1/PACK_FRACTION of that piece, back to back in a file and for
+    one device (``devices[d]``), share chunks of at most a piece, whose ``dest`` is then their
+    range (not with a ``granule`` above 1: checksummed tensors keep chunks of their own).
 
-    ``order``: "selection" keeps the chunks in selection order; "whole" (a load awaited whole)
-    takes each file read as several streams from its streams in turn (``take_in_turn``) and ends
-    on the smallest chunks (``small_chunks_last``); "by_device" interleaves the chunks of the
-    devices ``devices[d]`` of the destinations (``interleave_by_device``).
+    ``order``: "selection" keeps selection order; "whole" (a load awaited whole) takes a file's
+    streams in turn (``take_in_turn``) and ends on the smallest chunks (``small_chunks_last``);
+    "by_device" interleaves the devices ``devices[d]`` (``interleave_by_device``).
     """
     if granule > chunk_bytes:
         raise ValueError(f"granule ({granule}) larger than the chunk size ({chunk_bytes})")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     cut = chunk_bytes if read_bytes is None else max(granule, min(read_bytes, chunk_bytes))
-    # whole tensors under this share chunks; not with checksum blocks (a chunk then holds one
-    # tensor's whole blocks: its hasher's unit)
+    # whole tensors under this share chunks; not with checksum blocks (a hasher's unit is a chunk)
     small = cut // PACK_FRACTION if granule == 1 else 0
     dests, chunks, counts = [], [], []
     add = chunks.append
@@ -207,7 +182,6 @@ def plan_load(selections: Sequence[Selection], chunk_bytes: int, granule: int = 
             _, pitch, width, height, _ = r
             nbytes += width * height
             # a strided run of a gathering file is cut by the bytes it lands, any other by its span
-            # (Run.span written out: this loop runs once per run of every load)
             gather = packed and height > 1
             size = width if height == 1 else width * height if gather else (height - 1) * pitch + width
             most = chunk_bytes if gather or f in whole_slots else cut
@@ -242,9 +216,8 @@ def _shared(f: int, first: int, stop: int, src: int, end: int) -> Chunk:
 
 
 def span_bytes(selections: Sequence[Selection], n_files: int) -> list[int]:
-    """The bytes positional reads take from each of ``n_files`` files for ``selections`` (a
-    strided run: its whole row span): what a load needs of each file before it knows how the file
-    is read (``io.read_policy``'s budget)."""
+    """The bytes positional reads take from each of ``n_files`` files for ``selections`` (a strided
+    run: its whole row span), before it is known how each file is read (``io.read_policy``)."""
     out = [0] * n_files
     for f, data_start, info, index, _ in selections:
         for _, pitch, width, height, _ in slice_runs(info, data_start, index)[1]:
@@ -253,12 +226,8 @@ def span_bytes(selections: Sequence[Selection], n_files: int) -> list[int]:
 
 
 def interleave_by_device(plan: LoadPlan, dest_devices: Sequence[Any]) -> LoadPlan:
-    """The plan with its chunks ordered so every device's share advances at the same pace.
-
-    A chunk's rank is the fraction of its device's bytes planned before it; sorting on that
-    (stably) keeps each device's chunks in their original order and, with one device, changes
-    nothing. With the halves of a checkpoint on two GPUs, both copy links then run throughout.
-    """
+    """The plan with its chunks ordered so every device's share advances at the same pace (each
+    device's chunks kept in order): with a checkpoint split over GPUs, every copy link runs throughout."""
     if len(set(dest_devices)) < 2:
         return plan
     total: dict[Any, int] = {}
@@ -276,24 +245,15 @@ def interleave_by_device(plan: LoadPlan, dest_devices: Sequence[Any]) -> LoadPla
 
 
 def is_small(run: Run, under: int) -> bool:
-    """Whether ``run`` spans fewer than ``under`` bytes (``small_chunks_last``'s test, with a quarter
-    of the read piece)."""
+    """Whether ``run`` spans fewer than ``under`` bytes (``small_chunks_last``'s test)."""
     _, pitch, width, height, _ = run   # Run.span, written out: once per chunk of a load
     return (width if height == 1 else (height - 1) * pitch + width if height else 0) < under
 
 
 def small_chunks_last(plan: LoadPlan, chunk_bytes: int) -> LoadPlan:
     """The plan with its chunks of less than a quarter of ``chunk_bytes`` (of span) moved to the
-    end, both groups kept in their order.
-
-    The workers take chunks in plan order; the last ones decide when the load ends. Ending on the
-    smallest (norms, biases) leaves the workers finishing together instead of some idling while
-    others copy a last big piece. Mid-sized slices (a TP rank's k/v rows, the tail of a cut
-    tensor) keep their places: on the H200 machine, with 4 MiB reads, moving the chunks under
-    2 MiB to the end made rank 0 of TP=8 slower than moving those under 1 MiB (rows 49.3 against
-    47.5 ms, a Llama plan 50.9 against 47.4 ms; 2026-12-02, 9 interleaved rounds, in
-    benchmarks/results/tp_setup_2026-12-02.txt). For loads awaited whole: a caller waiting for
-    single tensors wants plan order."""
+    end, both groups kept in their order, for loads awaited whole: ending on the smallest (norms,
+    biases) lets the workers finish together; mid-sized slices keep their places."""
     quarter = chunk_bytes // 4
     big, small = [], []
     for c in plan.chunks:
@@ -313,12 +273,8 @@ def in_turn(groups: Iterable[Sequence[T]]) -> list[T]:
 
 def take_in_turn(plan: LoadPlan, group_of: Callable[[Chunk], object]) -> LoadPlan:
     """The plan with, in each file, the chunks that ``group_of`` puts in a group (not None) taken
-    from the groups in turn: every group's first chunk, then every group's second, and so on, in
-    the places those chunks held. The other chunks keep their places.
-
-    For a cold file read as a few sequential streams (``FileSource.read_in_streams``, a group
-    per stream): the workers, taking chunks in plan order, then keep every stream moving forward,
-    one read at a time, instead of all reading side by side in one stretch of the file."""
+    from the groups in turn (``in_turn``), in the places those chunks held; the others stay put.
+    For a cold file read as sequential streams (a group each): every stream then moves forward."""
     places: dict[int, list[int]] = {}
     groups: dict[int, dict[object, list[Chunk]]] = {}
     for i, c in enumerate(plan.chunks):
@@ -337,11 +293,8 @@ def take_in_turn(plan: LoadPlan, group_of: Callable[[Chunk], object]) -> LoadPla
 
 def plan_save(sizes: Sequence[int], offsets: Sequence[int], chunk_bytes: int,
               granules: Sequence[int]) -> list[tuple[int, Run]]:
-    """Chunks of a save: (tensor index, Run with src = offset in the tensor, dst = file offset).
-
-    ``granules[i]`` is the byte multiple chunk boundaries of tensor i must respect (a row, for
-    arrays that must be made contiguous piecewise).
-    """
+    """Chunks of a save: (tensor index, Run with src = offset in the tensor, dst = file offset);
+    tensor i is cut at multiples of ``granules[i]`` bytes (a row, for arrays made contiguous piecewise)."""
     out = []
     for i, (size, off, g) in enumerate(zip(sizes, offsets, granules)):
         if size == 0:

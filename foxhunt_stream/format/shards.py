@@ -1,13 +1,10 @@
 """File shards of a checkpoint: which tensors go in which file, the files' names, and the index
-(``model.safetensors.index.json``) that maps each tensor to its file. Pure functions, no I/O.
+(``model.safetensors.index.json``), as Hugging Face's ``save_pretrained`` makes them. Pure
+functions, no I/O.
 
-The grouping, the names and the index follow Hugging Face's ``save_pretrained``, so a sharded
-save loads wherever a Hugging Face checkpoint does.
-
-A save of several shards also writes one save id (random hex) under ``SAVE_KEY`` into every
-shard's ``__metadata__`` and into the index's ``"metadata"``: a load checks that the shards and
-the index carry the same one (``io.checkpoint.assemble``), which finds a directory left holding
-files of two saves. Other readers ignore the key.
+A save of several shards writes one save id under ``SAVE_KEY`` into every shard's
+``__metadata__`` and the index's ``"metadata"``; a load checks they agree
+(``io.checkpoint.assemble``), which finds a directory holding files of two saves.
 """
 
 from __future__ import annotations
@@ -27,11 +24,8 @@ _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def split_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
-    """``(name, nbytes)`` pairs grouped into shards of at most ``max_shard_size`` bytes.
-
-    Greedy, in the given order: a shard closes when the next tensor would overflow it; a tensor
-    larger than the limit sits alone in its shard (Hugging Face's rule). Always at least one
-    group (empty when there are no tensors)."""
+    """``(name, nbytes)`` pairs grouped greedily, in order, into shards of at most ``max_shard_size``
+    bytes; a larger tensor sits alone (Hugging Face's rule). At least one group, maybe empty."""
     shards: list[list[str]] = []
     cur: list[str] = []
     cur_size = 0
@@ -53,23 +47,20 @@ def split_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[
 
 
 def shard_names(groups: int) -> list[str]:
-    """The file names of ``groups`` shards: ``model.safetensors`` alone, else
-    ``model-0000i-of-0000n.safetensors``."""
+    """The file names of ``groups`` shards: ``model.safetensors`` alone, else ``model-0000i-of-0000n.safetensors``."""
     if groups == 1:
         return [SINGLE_NAME]
     return [f"model-{i + 1:05d}-of-{groups:05d}.safetensors" for i in range(groups)]
 
 
 def is_shard_name(name: str) -> bool:
-    """Whether ``name`` is one ``shard_names`` gives (``model.safetensors``,
-    ``model-NNNNN-of-NNNNN.safetensors``), whatever the count."""
+    """Whether ``name`` is one ``shard_names`` gives, whatever the count."""
     return name == SINGLE_NAME or _SHARD_NAME.fullmatch(name) is not None
 
 
 def index_json(weight_map: Mapping[str, str], total_size: int, save: str | None = None) -> bytes:
     """The index's bytes: ``{"metadata": {"total_size": ..., SAVE_KEY: save}, "weight_map":
-    {name: file}}`` (the save id only when given), keys sorted, two-space indent, a final
-    newline."""
+    {name: file}}`` (the save id only when given), keys sorted, indented by two, a final newline."""
     meta: dict = {"total_size": total_size}
     if save is not None:
         meta[SAVE_KEY] = save
@@ -78,9 +69,8 @@ def index_json(weight_map: Mapping[str, str], total_size: int, save: str | None 
 
 
 def index_file_names(raw: bytes) -> set[str]:
-    """The ``*.safetensors`` file names an index's bytes map tensors to, each a plain name in the
-    index's own directory (``./x`` as ``x``; anything with a directory part, ``..`` or an
-    absolute path left out); an empty set for bytes that are not such an index."""
+    """The ``*.safetensors`` file names an index's bytes map tensors to, those plainly in the index's
+    own directory (``./x`` as ``x``); an empty set for bytes that are not such an index."""
     try:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):

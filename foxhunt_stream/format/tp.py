@@ -1,13 +1,8 @@
 """Tensor-parallel slices: which part of each tensor one rank loads. Pure functions, no I/O.
 
 ``TPSlice(rank, world_size, dim)`` turns into one basic index per tensor (``x[:, a:b]``), so a
-rank's load is an ordinary sliced load: it goes through ``indexing.slice_runs`` like ``get_slice``
-does, reads only the covered rows (dim 0) or, for later dims, the pages of its rows (gathered out
-of a mapping where the file is in the page cache; whole row spans otherwise), and works the same
-on every target.
-
-Sizes that do not divide evenly are split like ``numpy.array_split``: the first
-``size % world_size`` ranks get one element more.
+rank's load is an ordinary sliced load. Sizes that do not divide evenly are split like
+``numpy.array_split``: the first ``size % world_size`` ranks get one element more.
 """
 
 from __future__ import annotations
@@ -23,8 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence, Union
 if TYPE_CHECKING:
     from ..io.checkpoint import Checkpoint
 
-# int: that dim for every tensor; None: replicate every tensor; a mapping of glob -> dim|None
-# (first matching pattern wins, in the mapping's order); a callable name -> dim|None.
+# TPSlice.dim: an int, None, a mapping of glob -> dim|None, or a callable name -> dim|None
 DimRule = Union[int, None, Mapping[str, Union[int, None]], Callable[[str], Union[int, None]]]
 
 Index = tuple[slice, ...]
@@ -83,8 +77,7 @@ class TPSlice:
 @functools.lru_cache(maxsize=64)
 def glob_matcher(patterns: tuple[str, ...]) -> Callable[[str], int | None]:
     """A function giving the index of the first of ``patterns`` (``fnmatch.fnmatchcase`` globs)
-    that matches a name, or None: one regex of alternatives, tried in order, so a TP plan's
-    patterns cost one match per tensor instead of one per pattern."""
+    that matches a name, or None: one regex of alternatives, one match per name."""
     if not patterns:
         return lambda name: None
     rx = re.compile("|".join(f"({fnmatch.translate(p)})" for p in patterns))
@@ -130,11 +123,8 @@ def split_bounds(size: int, parts: int, part: int) -> tuple[int, int]:
 
 
 def shard_index(shape: Sequence[int], shard: TPSlice, name: str = "") -> Index | None:
-    """The basic index selecting this rank's part of a tensor; None when it is replicated.
-
-    ``(slice(None),) * d + (slice(a, b),)``: everything before ``d`` whole, dims after it
-    implied whole, so the planner sees exactly what ``x[:, a:b]`` would give it.
-    """
+    """The basic index selecting this rank's part of a tensor, ``(slice(None),) * d + (slice(a, b),)``
+    (what ``x[:, a:b]`` gives); None when it is replicated."""
     _require_tpslice(shard)
     return index_along(shape, shard.dim_for(name), shard, name)
 

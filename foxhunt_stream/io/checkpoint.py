@@ -1,15 +1,10 @@
 """Checkpoints: resolve a source (file, list, index.json, directory) into files and headers.
 
-Reading a header is the only I/O here: the 8-byte prefix, then exactly the announced number
-of bytes (capped by the format's limit and the file size), then the pure parser.
-
-A directory is read by one rule (``resolve``; ``models.hf_source`` uses it too), transformers'
-order: ``model.safetensors`` if it is a file there, else ``model.safetensors.index.json``, else
-every ``*.safetensors`` entry in name order. Whatever a directory's rule takes must lie in the
-directory (or, for a Hugging Face hub snapshot, in its repository's ``blobs/``), as an index's
-files must; a listed entry must be a regular file, and is never opened otherwise. An index and
-its shards' headers are read under the directory's shared lock (``dirlock``), which a sharded
-save's commit holds exclusively.
+A directory is read by transformers' rule: ``model.safetensors`` if it is a file there, else
+``model.safetensors.index.json``, else every ``*.safetensors`` entry (regular files only) in
+name order. What it takes, and an index's files, must lie in the directory (or a hub snapshot's
+``blobs/``). An index and its shards' headers are read under the directory's shared lock
+(``dirlock``), which a sharded save's commit holds exclusively.
 """
 
 from __future__ import annotations
@@ -75,12 +70,9 @@ class Checkpoint:
         """One flat ``dict[str, str]`` (or None when nothing has any), the shape every caller expects.
 
         A single file: its header's metadata as is. Several files: every shard's metadata and
-        the index's ``"metadata"`` object merged (non-string index values such as ``total_size``
-        as JSON text), without the keys that describe one file (``format.shards.PER_FILE_KEYS``:
-        the save id of a sharded save, each shard's checksums). A key
-        given the same value twice is kept once; a key given two different values is a
-        FormatError naming the key and both files, never a silent pick.
-        Per-file metadata stays available as ``read_header(path).metadata``.
+        the index's ``"metadata"`` object merged (non-string index values as JSON text), without
+        ``format.shards.PER_FILE_KEYS``; a key given two different values is a FormatError naming
+        the key and both files. Per-file metadata: ``read_header(path).metadata``.
         """
         if len(self.paths) == 1 and self.index_metadata is None:
             return self.headers[0].metadata
@@ -102,8 +94,7 @@ class Checkpoint:
         return merged or None
 
     def file_order(self) -> list[str]:
-        """Every tensor name in file order: the files in their order (an index's and a
-        directory's by file name, a list's as given), each file's tensors by offset."""
+        """Every tensor name in file order: the files in their order, each file's tensors by offset."""
         return [t.name for h in self.headers for t in h.tensors]
 
 
@@ -117,9 +108,8 @@ class Resolved(NamedTuple):
 
 
 def resolve(source) -> Resolved:
-    """The files of any accepted source; with an index, its weight_map and metadata too. A
-    directory by the one rule (module docstring); an index and a directory under the
-    directory's shared lock."""
+    """The files of any accepted source; with an index, its weight_map and metadata too (an index
+    and a directory read under the directory's shared lock)."""
     if isinstance(source, (list, tuple)):
         if not source:
             raise ValueError("empty list of checkpoint files")
@@ -142,10 +132,8 @@ def resolve(source) -> Resolved:
 
 
 def directory_weights(directory: str | os.PathLike) -> str | None:
-    """What the directory rule loads from ``directory`` when it is one file: ``model.safetensors``
-    if it is a file there, else the index if it is; None when neither is (the rule then takes
-    every ``*.safetensors`` entry). A file that resolves outside the directory (and its hub
-    ``blobs/``) is a FormatError ``path-escape``."""
+    """What the directory rule loads from ``directory`` when it is one file (``model.safetensors``,
+    else the index), or None; a file that resolves outside it is a FormatError ``path-escape``."""
     directory = os.fspath(directory)
     for name in (SINGLE_NAME, INDEX_NAME):
         full = os.path.join(directory, name)
@@ -197,8 +185,7 @@ def _confine(full: str, roots: list[str]) -> None:
 
 
 def _index(index_path: str) -> Resolved:
-    """``_from_index`` with the index's identity, taken before it is read: a replacement after that
-    shows as a change (``assemble``)."""
+    """``_from_index`` with the index's identity, taken before it is read."""
     try:
         identity = file_identity(os.stat(index_path))
     except OSError:
@@ -207,9 +194,8 @@ def _index(index_path: str) -> Resolved:
 
 
 def _allowed_roots(base: str) -> list[str]:
-    """Where the index's shards may really live: the index's own directory and, for a Hugging
-    Face hub cache snapshot (``<repo>/snapshots/<rev>/``, whose files are symlinks to
-    ``<repo>/blobs/``), that repository's blob store."""
+    """Where the index's shards may really live: the index's own directory and, for a hub cache
+    snapshot (``<repo>/snapshots/<rev>/``), that repository's ``blobs/``."""
     roots = [os.path.realpath(base)]
     parent = os.path.dirname(base)
     if os.path.basename(parent) == "snapshots":
@@ -220,8 +206,7 @@ def _allowed_roots(base: str) -> list[str]:
 
 
 def _check_shard_name(index_path: str, name: str, fname) -> None:
-    """A weight_map value must be a file name the OS can take: a non-empty string without a NUL
-    byte, encodable as a path (a lone surrogate escape is not)."""
+    """A weight_map value must be a file name the OS can take (non-empty, encodable, no NUL)."""
     if not isinstance(fname, str) or not fname:
         raise FormatError("index-weight-map", f"weight_map[{name!r}] must be a file name", path=index_path,
                           tensor=name)
@@ -282,21 +267,16 @@ def _from_index(index_path: str) -> Resolved:
 
 
 def open_checkpoint(source) -> Checkpoint:
-    """Resolve ``source``, read every header, and build one name map across the files.
-
-    With an index, the index and the headers must agree exactly: every listed tensor is in
-    the shard the index names, and every shard tensor is listed.
-    """
+    """Resolve ``source``, read every header, and build one name map across the files (with an
+    index, the index and the headers must agree exactly)."""
     if isinstance(source, Checkpoint):   # already open (callers that inspect names first)
         return source
     return open_resolved(resolve(source))
 
 
 def open_resolved(resolved: Resolved) -> Checkpoint:
-    """``open_checkpoint`` of a source already resolved. The headers of files an index or a
-    directory named are read under the directory's shared lock, after resolving the source again
-    if its index is no longer the file that was read (a save committed in between); a file gone
-    by then was removed by a concurrent save: FormatError ``file-replaced``, which a load retries."""
+    """``open_checkpoint`` of a source already resolved, its headers read under the directory's
+    shared lock (resolved again if its index was replaced; a file gone: ``file-replaced``)."""
     where = resolved.directory or (os.path.dirname(os.path.abspath(resolved.index_path))
                                    if resolved.index_path is not None else None)
     with dirlock.locked(where, shared=True) if where is not None else contextlib.nullcontext():
@@ -315,9 +295,8 @@ def open_resolved(resolved: Resolved) -> Checkpoint:
 
 
 def assemble(resolved: Resolved, read: list[tuple[Header, tuple]]) -> Checkpoint:
-    """The checkpoint of ``resolved``'s files from their headers and identities (in file order),
-    checked across files: one save's files where the index names its save, no tensor in two
-    shards, and an index that agrees with the headers."""
+    """The checkpoint of ``resolved``'s files from their headers and identities, checked across
+    files: one save's files, no tensor in two shards, an index that agrees with the headers."""
     paths, weight_map, index_meta, index_path = (resolved.paths, resolved.weight_map, resolved.index_metadata,
                                                  resolved.index_path)
     headers = [h for h, _ in read]
@@ -347,11 +326,8 @@ def assemble(resolved: Resolved, read: list[tuple[Header, tuple]]) -> Checkpoint
 
 
 def _one_save(resolved: Resolved, read: list[tuple[Header, tuple]]) -> None:
-    """Every shard carries the save id the index carries (``format.shards.SAVE_KEY``). A shard of
-    another save is ``file-replaced`` when a file changed since it was read (a concurrent save:
-    the load starts over), else ``mixed-saves``: the directory holds files of two saves (a save
-    interrupted while it renamed its files, or a writer that did not lock the directory). Which
-    of the two is decided under the directory's shared lock, after any commit in progress."""
+    """Every shard carries the index's save id (``format.shards.SAVE_KEY``); else ``file-replaced``
+    when a file changed since it was read (a concurrent save), or ``mixed-saves``."""
     save = resolved.index_metadata.get(SAVE_KEY)
     for path, (header, _) in zip(resolved.paths, read):
         theirs = (header.metadata or {}).get(SAVE_KEY)
@@ -387,10 +363,8 @@ Names = None | str | Iterable[str] | Callable[[str], bool]
 
 def select(ck: Checkpoint, names: Names) -> list[str]:
     """Resolve a ``names`` argument to tensor names: None = all in file order, a glob string,
-    a predicate (both in file order), or a list of exact names (in the caller's order).
-
-    A glob or a predicate that selects no tensor is a KeyError naming it (a typo must not load
-    nothing, silently); so is a listed name the checkpoint lacks. An empty list selects nothing."""
+    a predicate (both in file order), or a list of exact names (in the caller's order). A glob or
+    predicate that selects nothing, or a listed name the checkpoint lacks, is a KeyError."""
     if names is None:
         return ck.file_order()
     if isinstance(names, str):

@@ -204,14 +204,13 @@ class TorchFramework:
         self._devices: dict[Device, Any] = {}   # Device -> torch.device, made once
         self._dtypes: dict[str, Any] = {}       # DType.name -> torch dtype, looked up once
 
-    def array_dtype(self, dtype: DType):
-        """The torch dtype of ``dtype`` (sub-byte types and types torch lacks: uint8)."""
-        return self.torch_dtype(dtype)
-
     def torch_dtype(self, dtype: DType):
+        """The torch dtype of ``dtype`` (sub-byte types and types torch lacks: uint8)."""
         torch = import_torch()
         t = getattr(torch, dtype.torch_name, None) if dtype.torch_name else None
         return t if t is not None else torch.uint8
+
+    array_dtype = torch_dtype
 
     def empty(self, dtype: DType, shape, device: Device, tensor: str = ""):
         torch = import_torch()

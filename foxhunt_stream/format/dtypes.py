@@ -123,10 +123,7 @@ def host_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...]:
         return shape
     if shape and (shape[-1] * dtype.bits) % 8 == 0:
         return shape[:-1] + (shape[-1] * dtype.bits // 8,)
-    n = 1
-    for s in shape:
-        n *= s
-    return ((n * dtype.bits) // 8,)
+    return (nbytes(dtype, shape),)
 
 
 def nbytes(dtype: DType, shape: tuple[int, ...]) -> int:

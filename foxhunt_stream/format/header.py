@@ -57,10 +57,7 @@ class TensorInfo(NamedTuple):
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 class Header(NamedTuple):
@@ -222,18 +219,13 @@ def tensor_info(name: str, entry) -> TensorInfo:
     dtype = DTYPES.get(dt) if type(dt) is str else None
     if dtype is None:
         raise FormatError("unknown-dtype", f"dtype {dt!r} is not one of {', '.join(DTYPES)}", tensor=name)
-    if type(shape) is not list:
-        raise FormatError("shape", f"shape {shape!r} must be a list of non-negative integers", tensor=name)
-    for s in shape:   # a loop, not all(generator): a header of thousands of tensors parses in ms
+    for s in shape if type(shape) is list else (None,):   # a loop, not all(generator): faster
         if type(s) is not int or s < 0 or s > _U64_MAX:
             raise FormatError("shape", f"shape {shape!r} must be a list of non-negative integers", tensor=name)
     if len(shape) > MAX_DIMS:
         raise FormatError("shape-limits", f"shape has {len(shape)} dimensions, more than numpy's {MAX_DIMS}",
                           tensor=name)
-    if type(offs) is not list or len(offs) != 2:
-        raise FormatError("data-offsets", f"data_offsets {offs!r} must be exactly two non-negative integers",
-                          tensor=name)
-    start, end = offs
+    start, end = offs if type(offs) is list and len(offs) == 2 else (None, None)
     if type(start) is not int or type(end) is not int or not 0 <= start <= _U64_MAX or not 0 <= end <= _U64_MAX:
         raise FormatError("data-offsets", f"data_offsets {offs!r} must be exactly two non-negative integers",
                           tensor=name)

@@ -215,89 +215,37 @@ class PinnedArena:
     faster than ``cudaHostAlloc`` (RESULTS: "Pinned staging in a fresh process"). So the mapping
     asks for huge pages and ``pin(k)`` faults slot ``k`` in on the calling thread (a ``memset``,
     the GIL released; ``MADV_POPULATE_WRITE`` would hold the process's memory-map lock, which
-    every ``mmap`` of the loading thread then waits for). Registration goes in slot order, one
-    call at a time: whoever finds the next slots faulted registers all of them at once, so slot 0
-    is ready first and the calls grow as the faults run ahead."""
+    every ``mmap`` of the loading thread then waits for) and registers it: the pinning threads
+    fault in and register at once, and each slot is ready as soon as its own call returns."""
 
     def __init__(self, slot_bytes: int, n: int) -> None:
         from ..io.libc import MAP_FAILED, libc
         self._rt = runtime()
         if not hasattr(self._rt, "hostRegister"):
             raise OSError("this CUDA runtime cannot register host memory")
+        self.slot_bytes, self.n = slot_bytes, n
         size = slot_bytes * n + HUGE_PAGE
         addr = libc().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                            -1, 0)
         if addr in (None, MAP_FAILED):
             raise OSError(ctypes.get_errno(), "mmap of the pinned staging memory failed")
         self._mapping = (addr, size)
-        base = addr + (-addr) % HUGE_PAGE
-        libc().madvise(base, slot_bytes * n, MADV_HUGEPAGE)   # a hint: where refused, 4 KiB pages
-        self._setup(base, slot_bytes, n)
-
-    def _setup(self, base: int, slot_bytes: int, n: int) -> None:
-        self.base, self.slot_bytes, self.n = base, slot_bytes, n
-        self._state = bytearray(n)    # per slot: 0 untouched, 1 being faulted in, 2 faulted in
-        self._registered = 0          # slots [0, _registered) are registered
-        self._registering = False     # a caller is in cudaHostRegister
-        self._pinned: list[int] = []  # the start of every registration (each is unregistered alone)
-        self._cond = threading.Condition()
+        self.base = addr + (-addr) % HUGE_PAGE
+        libc().madvise(self.base, slot_bytes * n, MADV_HUGEPAGE)   # a hint: where refused, 4 KiB pages
+        self._pinned: list[int] = []
+        self._lock = threading.Lock()
 
     def pin(self, k: int) -> np.ndarray:
-        """Slot ``k``, faulted in and registered in order: a uint8 array that keeps the arena
-        alive. A caller faults its own slot in, and any slot before it that no one has begun."""
-        with self._cond:
-            if not self._state[k]:
-                self._fault(k)
-            while self._registered <= k:
-                start = self._registered
-                if self._registering or self._state[start] == 1:   # another caller registers, or faults it in
-                    self._cond.wait()
-                elif not self._state[start]:
-                    self._fault(start)
-                else:
-                    self._register(start)
-        view = (ctypes.c_ubyte * self.slot_bytes).from_address(self.base + k * self.slot_bytes)
+        """Slot ``k``, faulted in and registered: a uint8 array that keeps the arena alive."""
+        from ..io.libc import libc
+        ptr, n = self.base + k * self.slot_bytes, self.slot_bytes
+        libc().memset(ptr, 0, n)
+        self._rt.hostRegister(ptr, n, HOST_REGISTER_PORTABLE)
+        with self._lock:
+            self._pinned.append(ptr)
+        view = (ctypes.c_ubyte * n).from_address(ptr)
         view.owner = self
         return np.frombuffer(view, np.uint8)
-
-    def _fault(self, k: int) -> None:
-        """Write slot ``k`` (the lock held on entry and exit, released meanwhile)."""
-        from ..io.libc import libc
-        self._state[k] = 1
-        self._cond.release()
-        try:
-            libc().memset(self.base + k * self.slot_bytes, 0, self.slot_bytes)
-            done = 2
-        except BaseException:
-            done = 0
-            raise
-        finally:
-            self._cond.acquire()
-            self._state[k] = done
-            self._cond.notify_all()
-
-    def _register(self, start: int) -> None:
-        """Register slot ``start`` and every faulted slot after it, in one call (the lock held on
-        entry and exit, released meanwhile)."""
-        end = start
-        while end < self.n and self._state[end] == 2:
-            end += 1
-        ptr = self.base + start * self.slot_bytes
-        self._registering = True
-        self._cond.release()
-        try:
-            self._rt.hostRegister(ptr, (end - start) * self.slot_bytes, HOST_REGISTER_PORTABLE)
-            done = end
-        except BaseException:
-            done = start
-            raise
-        finally:
-            self._cond.acquire()
-            self._registering = False
-            if done > start:
-                self._pinned.append(ptr)
-                self._registered = done
-            self._cond.notify_all()
 
     def __del__(self) -> None:
         mapping = getattr(self, "_mapping", None)

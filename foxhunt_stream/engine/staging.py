@@ -6,9 +6,8 @@ on that event, so a buffer is reused as soon as its copy is done and never soone
 
 Pinned pools are made once per process and device and reused by every later load and save. A
 process's first load starts pinning its GPU's pool as soon as it knows the device
-(``prepare``): several threads pin slots at once while the caller reads the headers and plans;
-a worker starts on the first slot it gets and takes more only as they come free
-(``CudaTarget``'s rings).
+(``prepare``): several threads pin slots at once while the caller reads the headers and plans,
+and a worker takes each slot as soon as it is pinned.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ class StagingPool:
         self._making = 0                                 # slots being made now
         self._free: list[Slot] = []
         self._cond = threading.Condition()
-        self._filling = 0                                # fill_async's threads still running
+        self._filling = False
 
     @property
     def nbytes(self) -> int:
@@ -104,18 +103,14 @@ class StagingPool:
         with self._cond:
             if self._filling or not self._todo:
                 return
-            n = max(1, min(threads, len(self._todo)))
-            self._filling = n
+            self._filling = True
 
         def fill() -> None:
             try:
                 self.fill()
             except BaseException:  # noqa: BLE001 - a taker that needs the slot makes it and reports the error
                 pass
-            finally:
-                with self._cond:
-                    self._filling -= 1
-        for w in range(n):
+        for w in range(max(1, min(threads, len(self._todo)))):
             workers.run(fill, f"foxhunt-pin-{w}")
 
     def acquire(self, timeout: float | None = None) -> Slot:
@@ -133,15 +128,20 @@ class StagingPool:
                     return slot
 
     def try_acquire(self) -> Slot | None:
-        """A slot to be had now: a free one, or one made here unless ``fill_async``'s threads are
-        making them; None at once otherwise, so that loads sharing the pool never wait on each
-        other in a cycle, and a worker never waits for a slot another thread is pinning."""
-        with self._cond:
-            if self._free:
-                return self._ready(self._free.pop())
-            if not self._todo or self._filling:
-                return None
-        return self._make()
+        """A free slot, one made now, or one being made; None at once if every slot is made and
+        taken (so that loads sharing the pool never wait on each other in a cycle)."""
+        while True:
+            with self._cond:
+                if self._free:
+                    return self._ready(self._free.pop())
+                if not self._todo:
+                    if not self._making:
+                        return None
+                    self._cond.wait()
+                    continue
+            slot = self._make()
+            if slot is not None:
+                return slot
 
     @staticmethod
     def _ready(slot: Slot) -> Slot:

@@ -110,33 +110,22 @@ class _Ring:
 
     __slots__ = ("pool", "slots", "ptrs", "events", "pending", "next", "stream_ptr", "stream")
 
-    def __init__(self, pool, stream) -> None:
+    def __init__(self, pool, slots, stream, events) -> None:
         self.pool = pool    # the pool the slots go back to (a settings change may replace the device's)
-        self.slots: list = []
-        self.ptrs: list[int] = []
-        self.events: list = []
-        self.pending: list[bool] = []
+        self.slots = slots
+        self.ptrs = [slot.ptr for slot in slots]
+        self.events = events
+        self.pending = [False] * len(slots)
         self.next = 0
         self.stream = stream
         self.stream_ptr = stream.ptr
-
-    def add(self, slot) -> None:
-        """Take ``slot`` in as the next one used, with the CUDA event its copies record."""
-        if slot.cuda_event is None:
-            slot.cuda_event = cudart.Event()
-        self.slots.append(slot)
-        self.ptrs.append(slot.ptr)
-        self.events.append(slot.cuda_event)
-        self.pending.append(False)
-        self.next = len(self.slots) - 1
 
 
 class CudaTarget:
     """Lands chunks on one GPU through pinned slots.
 
-    Each worker takes a small ring of slots from the device's pool, one slot on its first chunk
-    and more on later chunks as they can be had at once, and gives it back when it has no more
-    work (``release_worker``): per chunk there is no queue, lock,
+    Each worker takes a small ring of slots from the device's pool on its first chunk and gives
+    it back when it has no more work (``release_worker``): per chunk there is no queue, lock,
     device switch or event creation, only the read, one async copy and one event record. Per
     chunk Python work is serialized by the GIL across all workers, so it is what bounds a load
     of many small chunks (a tensor-parallel shard): measured on the H200 (16 threads, 417 chunks)
@@ -156,24 +145,29 @@ class CudaTarget:
         return pinned_pool(self.index, self.slot_bytes, self.n_slots)
 
     def _ring(self, worker: int) -> _Ring:
-        """This worker's ring, begun with one slot: it waits for one to come free or be pinned.
-        ``_next_slot`` adds more, up to ``per_worker``, only as they can be had at once, so that a
-        process's first load copies while the rest of its staging is pinned, and concurrent loads
-        sharing the pool never wait on each other in a cycle."""
+        """This worker's ring: the first slot waits for one to come free, the rest are taken only
+        if free or being pinned (so concurrent loads sharing the pool never wait on each other in
+        a cycle)."""
         pool = self.pool()
         use_device(self.index)
-        ring = _Ring(pool, self.ctx.stream(worker))
-        self._grow(ring, pool.acquire())
-        self._rings[worker] = ring
-        return ring
-
-    @staticmethod
-    def _grow(ring: _Ring, slot) -> None:
+        slots = [pool.acquire()]
         try:
-            ring.add(slot)
+            for _ in range(self.per_worker - 1):
+                slot = pool.try_acquire()
+                if slot is None:
+                    break
+                slots.append(slot)
+            events = []
+            for slot in slots:
+                if slot.cuda_event is None:
+                    slot.cuda_event = cudart.Event()
+                events.append(slot.cuda_event)
+            ring = self._rings[worker] = _Ring(pool, slots, self.ctx.stream(worker), events)
         except BaseException:   # nothing may keep a slot of the process-wide pool
-            ring.pool.release(slot)
+            for slot in slots:
+                pool.release(slot)
             raise
+        return ring
 
     def release_worker(self, worker: int) -> None:
         """Give the worker's ring back to the pool; a slot's copy may still be running, so the next
@@ -240,8 +234,6 @@ class CudaTarget:
         ring = self._rings.get(worker)
         if ring is None:
             ring = self._ring(worker)
-        elif len(ring.slots) < self.per_worker and (slot := ring.pool.try_acquire()) is not None:
-            self._grow(ring, slot)
         k = ring.next
         ring.next = (k + 1) % len(ring.slots)
         if ring.pending[k]:

@@ -71,26 +71,3 @@ def test_a_failed_allocation_does_not_use_up_the_bound():
     assert pool.allocated == 0 and pool.free_count() == 2
     pool.acquire(), pool.acquire()
     assert pool.allocated == 2 and len(calls) == 3
-
-
-def test_try_acquire_does_not_wait_for_slots_the_fill_threads_are_making():
-    """A worker starts on the slot it has and takes more only as they can be had at once: a slot
-    being pinned by ``fill_async``'s threads is not waited for, and one they finished is taken."""
-    gate, started = threading.Event(), threading.Event()
-    made: list[int] = []
-
-    def allocate(k: int):
-        made.append(k)
-        started.set()
-        assert gate.wait(10)
-        return np.zeros(4096, np.uint8), None
-    pool = StagingPool(4096, 2, allocate)
-    pool.fill_async(2)
-    assert started.wait(10)
-    assert pool.try_acquire() is None          # at once, although both slots are being made
-    gate.set()
-    first = pool.acquire(timeout=10)
-    second = pool.acquire(timeout=10)
-    assert first is not second and sorted(made) == [0, 1]
-    pool.release(first)
-    assert pool.try_acquire() is first

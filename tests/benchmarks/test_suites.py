@@ -210,3 +210,16 @@ def test_first_load_timeline_reports_each_step_of_both_loads(tmp_path):
     assert pre["import"] < plain["import"]   # imported before the clock: nothing left to import
     assert "medians" in (tmp_path / "o" / "timeline.txt").read_text()
 
+
+
+def test_tiny_tensors_times_both_loaders_in_new_processes(tmp_path):
+    """The many-tiny-tensors benchmark on the host: the file written once, each loader once per
+    round in a new process, every load checked, the runs written out."""
+    import tiny_tensors
+    assert tiny_tensors.main([str(tmp_path / "d"), "--tensors", "3000", "--rounds", "2",
+                              "--out", str(tmp_path / "o")]) == 0
+    data = json.loads((tmp_path / "o" / "tiny_tensors_3000.json").read_text())
+    for case in ("foxhunt", "safetensors"):
+        assert len(data["runs"][case]) == 2
+        assert all(r["ok"] and r["tensors"] == 3000 and r["seconds"] > 0 for r in data["runs"][case])
+    assert os.listdir(tmp_path / "d") == ["tiny-3000.safetensors"]

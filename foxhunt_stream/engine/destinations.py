@@ -23,7 +23,7 @@ class Destinations:
         self.devices_of = devices_of   # per destination, known before anything is allocated
         self.devices = set(devices_of) if devices is None else devices
         self._make = make
-        self._copies = copies   # copies(ds, view): new host arrays of the tensors of a shared chunk
+        self._copies = copies   # copies(ds, view): new host arrays of a shared chunk's tensors, or None
         self._buffer_of = buffer_of   # the Buffer of an array made so (asked for after it landed, if ever)
         self.buffers: list[Buffer | None] = buffers if buffers is not None else [None] * n
         self.arrays: list = arrays if arrays is not None else [None] * n
@@ -93,9 +93,11 @@ class Destinations:
 
     def land_shared(self, ds: range, view) -> None:
         """The tensors of a shared chunk from its host bytes ``view`` (back to back, in file order):
-        new arrays made from them, or copied into the arrays given (only by the chunk's worker)."""
-        if self._copies is not None:
-            self.arrays[ds.start:ds.stop] = self._copies(ds, view)
+        new arrays made from them where the framework can (``Framework.copies``), else copied into
+        each destination's buffer (only by the chunk's worker)."""
+        arrays = self._copies(ds, view) if self._copies is not None else None
+        if arrays is not None:
+            self.arrays[ds.start:ds.stop] = arrays
             return
         pos = 0
         for b in self.shared_chunk(ds):

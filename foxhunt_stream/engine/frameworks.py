@@ -31,7 +31,7 @@ class Framework(Protocol):
 
     def empty(self, dtype: DType, shape, device: Device, tensor: str = "") -> Any: ...
     def new(self, dtype: DType, shape, device: Device, tensor: str = "") -> tuple[Any, Buffer]: ...
-    def copies(self, view: np.ndarray, dests: Sequence, device: Device) -> list: ...
+    def copies(self, view: np.ndarray, dests: Sequence, device: Device) -> list | None: ...
     def buffer(self, arr) -> Buffer: ...
     def settle(self, device: Device) -> None: ...
     def owns(self, x) -> bool: ...
@@ -233,15 +233,9 @@ class TorchFramework:
             return t, self.buffer(t)
         return t, Buffer(device, t.numel() * t.element_size(), None, t.data_ptr())
 
-    def copies(self, view: np.ndarray, dests: Sequence, device: Device) -> list:
-        """New host tensors, each a copy with a storage of its own, of the destinations lying in ``view``."""
-        out, pos = [], 0
-        for name, dtype, shape, nbytes in dests:
-            t, buf = self.new(dtype, shape, device, name)
-            buf.host[:] = view[pos:pos + nbytes]
-            out.append(t)
-            pos += nbytes
-        return out
+    def copies(self, view: np.ndarray, dests: Sequence, device: Device) -> None:
+        """None: a tensor each from ``new``, the bytes copied in (``Destinations.land_shared``)."""
+        return None
 
     def settle(self, device: Device) -> None:
         """Wait for work queued on torch's current stream of ``device`` (its freed blocks get reused)."""

@@ -22,7 +22,7 @@ the shared machine's drift touches every case alike); medians over the rounds:
   threads: a C++ reference for moving the bytes, no tensors made); ``tp_llama`` and ``tp_rows``
   (rank 0 of TP=8: o/down by columns and the rest by rows, or every tensor by rows); with
   ``--safetensors``, ``safetensors.torch.load_file`` per file;
-- ``cold`` (root: ``drop_caches``): the raw cold read (every byte preadv'd by the loader's default threads, each
+- ``cold`` (root: ``drop_caches``): the raw cold read (every byte preadv'd by 16 threads, each
   file as one sequential stream per thread), a cold load in a new process, then a new process's
   load right after it (the restart: is the second start hot?);
 - ``host``: a 1 GiB F32 file in the page cache loaded to numpy, the clock started before the

@@ -62,19 +62,20 @@ def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def default_threads(background: bool = False) -> int:
-    """Workers when none were asked for, out of the CPUs (at most 16): seven in eight, so the
-    caller, the allocating thread and the CUDA driver find a CPU beside them; a background load,
-    three quarters, for a caller that builds the model and runs its forward meanwhile
-    (docs/architecture.md, "Why the defaults are what they are")."""
-    cpus = max(1, min(16, available_cpus()))
-    return max(1, cpus * 3 // 4) if background else cpus - cpus // 8
+def _default_threads() -> int:
+    return max(1, min(16, available_cpus()))
+
+
+def background_threads(threads: int) -> int:
+    """Workers of a background load when none were asked for: three quarters of the default, so the
+    caller's thread (building the model, running its forward) finds a CPU (RESULTS.md)."""
+    return max(1, threads * 3 // 4)
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    threads: int = 0                 # reader/writer threads; 0 = seven in eight CPUs, of at most 16 (a
-                                     # background load: three quarters; see default_threads)
+    threads: int = 0                 # reader/writer threads; 0 = one per CPU, at most 16 (a background
+                                     # load: three quarters of that, see background_threads)
     chunk_bytes: int = 8 << 20       # a staging slot: the most one copy moves (a gathered column slice
                                      # fills it; 8 MiB) and the checksum block
     read_bytes: int = 4 << 20        # a load to a GPU reads and copies contiguous runs (tensors, row slices)
@@ -90,7 +91,10 @@ class Settings:
 
     def resolved(self, background: bool = False) -> "Settings":
         """``threads=0`` made concrete (``background``: for a load the caller works beside)."""
-        return self if self.threads else replace(self, threads=default_threads(background))
+        if self.threads:
+            return self
+        n = _default_threads()
+        return replace(self, threads=background_threads(n) if background else n)
 
     def validate(self) -> "Settings":
         problem = self.problem()

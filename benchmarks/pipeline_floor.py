@@ -21,6 +21,16 @@ chunk sizes, beside the library's own loads of the same plans:
 
     python benchmarks/pipeline_floor.py CKPT [--tp 8] [--rounds 7] [--out DIR]
     python benchmarks/pipeline_floor.py /tmp/ck --size 64MiB --device cpu --rounds 1   # a smoke run
+
+``--ladder`` instead climbs from the floor to the library's full load one step at a time, at each
+read size of ``--reads`` (MiB): the floor; the floor in slots laid out as the library's pinned
+pool (``arena=True``: one registered mapping, a slot every chunk + 8 KiB); the floor's loop landing
+each chunk through the library's target (``TargetFloor``: its ring of pool slots, ``read_span``,
+copy and event); ``load_into`` (the library's plan, workers and bookkeeping into tensors made
+before); ``load_file`` (the same, allocating its tensors); and ``load_file`` with
+``--ladder-threads`` workers:
+
+    python benchmarks/pipeline_floor.py CKPT --ladder --reads 4,2 --rounds 5 [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,6 +45,11 @@ import numpy as np
 from foxhunt_stream import settings as _settings
 from foxhunt_stream.cuda.devices import parse_device
 from foxhunt_stream.engine import loader, workers
+from foxhunt_stream.engine.frameworks import Buffer
+from foxhunt_stream.engine.staging import slot_bytes
+from foxhunt_stream.engine.targets import CudaTarget, HostTarget
+from foxhunt_stream.format.indexing import Run
+from foxhunt_stream.io.source import FileSource
 from foxhunt_stream.format.plan import members
 from foxhunt_stream.format.tp import indices_for
 from foxhunt_stream.io.checkpoint import open_checkpoint, select
@@ -50,7 +65,8 @@ class Floor:
     else one is allocated."""
 
     def __init__(self, ckpt: str, shard, device: str, threads: int = 16, chunk_bytes: int | None = None,
-                 slots: int = SLOTS_PER_THREAD, mode: str = "both", dest=None, read_bytes: int | None = None) -> None:
+                 slots: int = SLOTS_PER_THREAD, mode: str = "both", dest=None, read_bytes: int | None = None,
+                 arena: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.device = parse_device(device)
@@ -85,7 +101,11 @@ class Floor:
             from foxhunt_stream.cuda import runtime
             self.rt = runtime.runtime()
             with runtime.on_device(self.device.index):
-                self.slots = [runtime.pinned(chunk_bytes) for _ in range(n)]
+                if arena:   # the library pool's layout: one registered mapping, slots a chunk + 8 KiB apart
+                    pool = runtime.PinnedArena(slot_bytes(chunk_bytes), n)
+                    self.slots = [(pool.pin(k)[:chunk_bytes], pool) for k in range(n)]
+                else:
+                    self.slots = [runtime.pinned(chunk_bytes) for _ in range(n)]
                 self.streams = [runtime.Stream() for _ in range(threads)]
                 self.events = [runtime.Event() for _ in range(n)]
             self.dest = dest if dest is not None else torch.empty(total, dtype=torch.uint8, device=str(self.device))
@@ -159,6 +179,103 @@ class Floor:
         self.dest = None
 
 
+class TargetFloor:
+    """The floor's chunks and threads, each chunk landed by the library's target (``CudaTarget.land``:
+    the worker's ring of slots from the device's pinned pool, ``read_span``, one copy and one event;
+    on the CPU ``HostTarget.land``) into ``floor``'s destination: the floor plus the target's own work."""
+
+    def __init__(self, floor: Floor, read_bytes: int | None = None) -> None:
+        s = _settings.merge(**({} if read_bytes is None else {"read_bytes": read_bytes})).resolved()
+        self.floor, self.threads = floor, floor.threads
+        dev = floor.device
+        self.target = (CudaTarget(dev.index, s.chunk_bytes, s.n_slots, floor.threads) if dev.is_cuda
+                       else HostTarget(s.chunk_bytes, s.n_slots))
+        self.sources = [FileSource(p) for p in floor.paths]
+        self.runs = [(f, Run(src, n, n, 1, dst)) for f, src, n, dst in floor.chunks]
+        self.buf = (Buffer(dev, floor.nbytes, None, floor.dest_ptr) if dev.is_cuda
+                    else Buffer(dev, floor.nbytes, floor.dest))
+
+    def __call__(self) -> None:
+        counter, errors = itertools.count(), []
+        runs, target, sources, buf = self.runs, self.target, self.sources, self.buf
+
+        def run(w: int) -> None:
+            try:
+                for i in counter:
+                    if i >= len(runs):
+                        break
+                    f, r = runs[i]
+                    target.land(w, sources[f], r, buf)
+            except BaseException as e:  # noqa: BLE001 - raised by the caller
+                errors.append(e)
+            finally:
+                if isinstance(target, CudaTarget):
+                    target.release_worker(w)
+        tasks = [workers.run(functools.partial(run, w), f"target-floor-{w}") for w in range(self.threads)]
+        for t in tasks:
+            t.join()
+        if self.floor.device.is_cuda:
+            from foxhunt_stream.cuda.devices import context
+            context(self.floor.device.index).synchronize()
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        for src in self.sources:
+            src.close()
+
+
+def ladder(args, fs, common) -> int:
+    """From the floor to the library's full load, a step at a time (``--ladder``; the module's docstring)."""
+    from common import GB, Results, median
+    res = Results("ladder", args.out)
+    fw = common.framework(args.device)
+    gpu = parse_device(args.device).is_cuda
+    first = fs.load_file(args.ckpt, device=args.device, framework=fw, progress=False)
+    store = {k: (v.clone() if hasattr(v, "clone") else v.copy()) for k, v in first.items()}
+    del first
+    mib = 1 << 20
+    cases: dict = {}
+    dest = None
+    for rb in (int(x) * mib for x in args.reads.split(",")):
+        at = f"{rb // mib} MiB"
+        floor = Floor(args.ckpt, None, args.device, threads=args.threads, chunk_bytes=rb, read_bytes=rb, dest=dest)
+        dest = floor.dest
+        cases[f"floor, {at} slots and reads"] = floor
+        if gpu:
+            cases[f"floor, slots laid out as the pool, {at}"] = Floor(args.ckpt, None, args.device, threads=args.threads,
+                                                                     chunk_bytes=rb, read_bytes=rb, dest=dest, arena=True)
+        cases[f"floor loop, chunks landed by the target, {at} reads"] = TargetFloor(floor, rb)
+        cases[f"load_into (tensors made before), {at} reads"] = functools.partial(
+            fs.load_into, store, args.ckpt, progress=False, read_bytes=rb)
+        cases[f"load_file, {at} reads"] = functools.partial(
+            fs.load_file, args.ckpt, device=args.device, framework=fw, progress=False, read_bytes=rb)
+    cases[f"load_file, {args.ladder_threads} workers"] = functools.partial(
+        fs.load_file, args.ckpt, device=args.device, framework=fw, progress=False, threads=args.ladder_threads)
+    steps = [c for c in cases.values() if isinstance(c, (Floor, TargetFloor))]
+    nbytes = floor.nbytes
+    res.say(f"ladder: {nbytes / GB:.2f} GB, hot, to {args.device}; the floors on {args.threads} threads, the loads "
+            f"with the library's defaults unless named; medians of {args.rounds} interleaved rounds", "")
+    if gpu:
+        import cupy
+        ceiling = (1 << 30) / median(common.ce.copy_ceiling(cupy, parse_device(args.device).index, 1 << 30, 3)) / GB
+        res.say(f"ceiling, one pinned host -> device copy of 1 GiB: {ceiling:.2f} GB/s")
+        res.data["ceiling_GBps"] = ceiling
+    common.ce.warm(common.ensure_checkpoint(args.ckpt, None, args.shards))
+    times = common.interleaved(cases, args.rounds, args.device)
+    full = median(times[next(k for k in cases if k.startswith("load_file"))])
+    table = [("step", "median s", "GB/s", "of the first load_file")]
+    for name, ts in times.items():
+        m = median(ts)
+        table.append((name, f"{m:.4f}", f"{nbytes / m / GB:.2f}", f"{m / full:.3f}"))
+    res.table(table, right={1, 2, 3})
+    res.data.update(rounds=args.rounds, threads=args.threads, seconds=times, nbytes=nbytes)
+    res.save()
+    for c in steps:
+        c.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """The floor of the full load and of rank 0's rows plan (every 2-D tensor along dim 0), whole
     and by halves (reads alone, copies alone), at 8 and 4 MiB chunks, beside the library's loads
@@ -173,7 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=8, help="ranks of the rows plan (default 8); rank 0 is measured")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median; default 7)")
     ap.add_argument("--threads", type=int, default=16, help="floor threads (default 16)")
+    ap.add_argument("--ladder", action="store_true", help="from the floor to the library's load, a step at a time")
+    ap.add_argument("--reads", default="4,2", help="--ladder: read sizes in MiB (default 4,2)")
+    ap.add_argument("--ladder-threads", type=int, default=14, help="--ladder: the last step's workers (default 14)")
     args = ap.parse_args(argv)
+    if args.ladder:
+        common.ensure_checkpoint(args.ckpt, args.size, args.shards)
+        return ladder(args, fs, common)
     files = common.ensure_checkpoint(args.ckpt, args.size, args.shards)
     shapes = {t.name: tuple(t.shape) for p in files for t in fs.read_header(p).tensors}
     rows = fs.TPSlice(0, args.tp, lambda n: 0 if len(shapes[n]) >= 2 else None)

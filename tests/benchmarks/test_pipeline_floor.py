@@ -103,3 +103,41 @@ def test_the_script_times_each_floor_beside_the_library(ckpt, tmp_path):
     full, rows = data["nbytes"]["full load (library)"], data["nbytes"]["rows (library)"]
     assert rows < full and all(v in (full, rows) for v in data["nbytes"].values())
     assert all(len(ts) == 1 and ts[0] > 0 for ts in data["seconds"].values())
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_target_floor_lands_the_plan_byte_for_byte(ckpt, threads):
+    """The ladder's step between the floor and the load: the same chunks, landed by the library's target."""
+    from pipeline_floor import TargetFloor
+    path, _ = ckpt
+    want = fs.load_file(path)
+    floor = Floor(str(path), None, "cpu", threads=threads, chunk_bytes=4096)
+    step = TargetFloor(floor, 4096)
+    try:
+        for _ in range(2):
+            floor.dest[:] = 0
+            step()
+            got = floor.dest.view(np.uint8)
+            pos = 0
+            for arr in want.values():
+                np.testing.assert_array_equal(got[pos:pos + arr.nbytes].view(np.float32).reshape(arr.shape), arr)
+                pos += arr.nbytes
+            assert pos == floor.nbytes
+    finally:
+        step.close()
+        floor.close()
+
+
+def test_the_ladder_runs_every_step(ckpt, tmp_path):
+    import json
+
+    import pipeline_floor
+    path, _ = ckpt
+    out = tmp_path / "out"
+    assert pipeline_floor.main([str(path), "--ladder", "--device", "cpu", "--rounds", "1", "--reads", "1",
+                                "--ladder-threads", "2", "--out", str(out)]) == 0
+    seconds = json.loads((out / "ladder.json").read_text())["seconds"]
+    assert list(seconds) == ["floor, 1 MiB slots and reads", "floor loop, chunks landed by the target, 1 MiB reads",
+                             "load_into (tensors made before), 1 MiB reads", "load_file, 1 MiB reads",
+                             "load_file, 2 workers"]
+    assert all(len(v) == 1 and v[0] > 0 for v in seconds.values())

@@ -225,12 +225,13 @@ class TargetFloor:
             src.close()
 
 
-def ladder(args, fs, common) -> int:
+def ladder(args, files: list[str], fs, common) -> int:
     """From the floor to the library's full load, a step at a time (``--ladder``; the module's docstring)."""
     from common import GB, Results, median
     res = Results("ladder", args.out)
     fw = common.framework(args.device)
-    gpu = parse_device(args.device).is_cuda
+    dev = parse_device(args.device)
+    gpu = dev.is_cuda
     first = fs.load_file(args.ckpt, device=args.device, framework=fw, progress=False)
     store = {k: (v.clone() if hasattr(v, "clone") else v.copy()) for k, v in first.items()}
     del first
@@ -258,10 +259,10 @@ def ladder(args, fs, common) -> int:
             f"with the library's defaults unless named; medians of {args.rounds} interleaved rounds", "")
     if gpu:
         import cupy
-        ceiling = (1 << 30) / median(common.ce.copy_ceiling(cupy, parse_device(args.device).index, 1 << 30, 3)) / GB
+        ceiling = (1 << 30) / median(common.ce.copy_ceiling(cupy, dev.index, 1 << 30, 3)) / GB
         res.say(f"ceiling, one pinned host -> device copy of 1 GiB: {ceiling:.2f} GB/s")
         res.data["ceiling_GBps"] = ceiling
-    common.ce.warm(common.ensure_checkpoint(args.ckpt, None, args.shards))
+    common.ce.warm(files)
     times = common.interleaved(cases, args.rounds, args.device)
     full = median(times[next(k for k in cases if k.startswith("load_file"))])
     table = [("step", "median s", "GB/s", "of the first load_file")]
@@ -295,8 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ladder-threads", type=int, default=14, help="--ladder: the last step's workers (default 14)")
     args = ap.parse_args(argv)
     if args.ladder:
-        common.ensure_checkpoint(args.ckpt, args.size, args.shards)
-        return ladder(args, fs, common)
+        return ladder(args, common.ensure_checkpoint(args.ckpt, args.size, args.shards), fs, common)
     files = common.ensure_checkpoint(args.ckpt, args.size, args.shards)
     shapes = {t.name: tuple(t.shape) for p in files for t in fs.read_header(p).tensors}
     rows = fs.TPSlice(0, args.tp, lambda n: 0 if len(shapes[n]) >= 2 else None)

@@ -19,6 +19,15 @@ def ckpt(tmp_path):
     return tmp_path, tensors
 
 
+def assert_landed_in_order(dest, want, nbytes):
+    """``dest`` holds ``want``'s float32 arrays back to back, in order, and nothing past them."""
+    pos = 0
+    for arr in want.values():
+        np.testing.assert_array_equal(dest[pos:pos + arr.nbytes].view(np.float32).reshape(arr.shape), arr)
+        pos += arr.nbytes
+    assert pos == nbytes
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_the_floor_lands_the_rows_plan_byte_for_byte(ckpt, threads):
     path, _ = ckpt
@@ -30,11 +39,7 @@ def test_the_floor_lands_the_rows_plan_byte_for_byte(ckpt, threads):
         for _ in range(2):
             floor.dest[:] = 0
             floor()
-            pos = 0
-            for arr in want.values():
-                np.testing.assert_array_equal(floor.dest[pos:pos + arr.nbytes].view(np.float32).reshape(arr.shape), arr)
-                pos += arr.nbytes
-            assert pos == floor.nbytes
+            assert_landed_in_order(floor.dest, want, floor.nbytes)
     finally:
         floor.close()
 
@@ -117,12 +122,7 @@ def test_the_target_floor_lands_the_plan_byte_for_byte(ckpt, threads):
         for _ in range(2):
             floor.dest[:] = 0
             step()
-            got = floor.dest.view(np.uint8)
-            pos = 0
-            for arr in want.values():
-                np.testing.assert_array_equal(got[pos:pos + arr.nbytes].view(np.float32).reshape(arr.shape), arr)
-                pos += arr.nbytes
-            assert pos == floor.nbytes
+            assert_landed_in_order(floor.dest, want, floor.nbytes)
     finally:
         step.close()
         floor.close()

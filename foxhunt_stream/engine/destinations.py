@@ -40,6 +40,7 @@ class Destinations:
             if dev.is_cuda:
                 # blocks the allocator hands back may still be read by work queued on its stream
                 framework.settle(dev)
+                framework.reserve(dev, [d.nbytes for d, on in zip(plan.destinations, per_dest) if on == dev])
 
         def make(d: int):
             name, dtype, shape, _ = plan.destinations[d]

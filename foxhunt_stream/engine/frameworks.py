@@ -5,6 +5,7 @@ destination (``empty``) and says where its bytes live (``buffer``); the stages s
 from __future__ import annotations
 
 import operator
+import os
 from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
@@ -34,6 +35,7 @@ class Framework(Protocol):
     def copies(self, view: np.ndarray, dests: Sequence, device: Device) -> list | None: ...
     def buffer(self, arr) -> Buffer: ...
     def settle(self, device: Device) -> None: ...
+    def reserve(self, device: Device, sizes: Sequence[int]) -> None: ...
     def owns(self, x) -> bool: ...
     def describe(self, arr) -> tuple[DType | None, tuple[int, ...], Device]: ...
     def array_dtype(self, dtype: DType) -> Any: ...
@@ -105,6 +107,9 @@ class NumpyFramework:
     def settle(self, device: Device) -> None:
         """Host arrays: nothing is queued."""
 
+    def reserve(self, device: Device, sizes: Sequence[int]) -> None:
+        """Host arrays are allocated one by one."""
+
     def owns(self, x) -> bool:
         return isinstance(x, np.ndarray)
 
@@ -168,6 +173,9 @@ class CupyFramework:
         with cp.cuda.Device(device.index):
             cp.cuda.get_current_stream().synchronize()
 
+    def reserve(self, device: Device, sizes: Sequence[int]) -> None:
+        """cupy's pool is left to allocate as it does."""
+
     def owns(self, x) -> bool:
         return type(x).__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "device")
 
@@ -195,6 +203,10 @@ def import_torch():
             raise
         raise ModuleNotFoundError(TORCH_MISSING, name="torch") from None
     return torch
+
+
+# torch's caching allocator: blocks of 512-byte multiples; tensors of at most 1 MiB come from its small pool
+_TORCH_BLOCK, _TORCH_SMALL = 512, 1 << 20
 
 
 class TorchFramework:
@@ -240,6 +252,24 @@ class TorchFramework:
     def settle(self, device: Device) -> None:
         """Wait for work queued on torch's current stream of ``device`` (its freed blocks get reused)."""
         import_torch().cuda.current_stream(device.index).synchronize()
+
+    def reserve(self, device: Device, sizes: Sequence[int]) -> None:
+        """Grow torch's cache of ``device`` by one block where it holds less free than the tensors of
+        ``sizes`` will take from its large pool, so that they are carved out of one ``cudaMalloc``
+        instead of one each, which contend with the staging's pinning (as transformers'
+        ``caching_allocator_warmup``). Not where blocks are not split (``max_split_size_mb``): the
+        block would stay reserved beside them. Out of memory: each tensor is then allocated alone."""
+        need = sum(-(-n // _TORCH_BLOCK) * _TORCH_BLOCK for n in sizes if n > _TORCH_SMALL)
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+        if not need or "max_split_size" in conf:
+            return
+        torch = import_torch()
+        free = torch.cuda.memory_reserved(device.index) - torch.cuda.memory_allocated(device.index)
+        if need > free:
+            try:
+                torch.empty(need - free, dtype=torch.uint8, device=f"cuda:{device.index}")
+            except getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError):
+                pass
 
     def owns(self, x) -> bool:
         return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")

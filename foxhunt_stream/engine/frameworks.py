@@ -264,7 +264,8 @@ class TorchFramework:
         if not need or "max_split_size" in conf:
             return
         torch = import_torch()
-        free = torch.cuda.memory_reserved(device.index) - torch.cuda.memory_allocated(device.index)
+        stats = torch.cuda.memory_stats(device.index)   # the small pool's free blocks hold none of these tensors
+        free = stats.get("reserved_bytes.large_pool.current", 0) - stats.get("allocated_bytes.large_pool.current", 0)
         if need > free:
             try:
                 torch.empty(need - free, dtype=torch.uint8, device=f"cuda:{device.index}")

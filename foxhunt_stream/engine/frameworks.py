@@ -257,18 +257,23 @@ class TorchFramework:
         """Grow torch's cache of ``device`` by one block where it holds less free than the tensors of
         ``sizes`` will take from its large pool, so that they are carved out of one ``cudaMalloc``
         instead of one each, which contend with the staging's pinning (as transformers'
-        ``caching_allocator_warmup``). Not where blocks are not split (``max_split_size_mb``): the
-        block would stay reserved beside them. Out of memory: each tensor is then allocated alone."""
-        need = sum(-(-n // _TORCH_BLOCK) * _TORCH_BLOCK for n in sizes if n > _TORCH_SMALL)
+        ``caching_allocator_warmup``). Not for a single tensor (one ``cudaMalloc`` either way), nor
+        where torch does not split blocks (``max_split_size_mb``: the block would stay reserved
+        beside them) or allocates through ``cudaMallocAsync``. Out of memory: each tensor is then
+        allocated alone."""
+        large = [-(-n // _TORCH_BLOCK) * _TORCH_BLOCK for n in sizes if n > _TORCH_SMALL]
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-        if not need or "max_split_size" in conf:
+        if len(large) < 2 or "max_split_size" in conf or "cudaMallocAsync" in conf:
             return
         torch = import_torch()
-        stats = torch.cuda.memory_stats(device.index)   # the small pool's free blocks hold none of these tensors
+        try:   # the small pool's free blocks hold none of these tensors
+            stats = torch.cuda.memory_stats(device.index)
+        except RuntimeError:
+            return
         free = stats.get("reserved_bytes.large_pool.current", 0) - stats.get("allocated_bytes.large_pool.current", 0)
-        if need > free:
+        if sum(large) > free:
             try:
-                torch.empty(need - free, dtype=torch.uint8, device=f"cuda:{device.index}")
+                torch.empty(sum(large) - free, dtype=torch.uint8, device=f"cuda:{device.index}")
             except getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError):
                 pass
 

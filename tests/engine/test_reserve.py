@@ -86,16 +86,35 @@ def test_nothing_when_the_cache_holds_enough(torch_standin):
 
 
 @pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
-def test_nothing_where_blocks_are_not_split(torch_standin, monkeypatch, var):
+@pytest.mark.parametrize("conf", ["expandable_segments:False,max_split_size_mb:512", "backend:cudaMallocAsync"])
+def test_nothing_where_blocks_are_not_split(torch_standin, monkeypatch, var, conf):
     t = torch_standin()
-    monkeypatch.setenv(var, "expandable_segments:False,max_split_size_mb:512")
-    TorchFramework().reserve(GPU0, [64 * MiB])
+    monkeypatch.setenv(var, conf)
+    TorchFramework().reserve(GPU0, [64 * MiB, 64 * MiB])
+    assert t.made == []
+
+
+def test_nothing_for_one_tensor(torch_standin):
+    t = torch_standin()
+    TorchFramework().reserve(GPU0, [64 * MiB, 4096])   # one cudaMalloc either way
+    assert t.made == []
+    TorchFramework().reserve(GPU0, [64 * MiB, 2 * MiB])
+    assert t.made == [(66 * MiB, "cuda:0")]
+
+
+def test_stats_refused_leaves_the_tensors_to_their_own_allocations(torch_standin):
+    t = torch_standin()
+
+    def refused(index):
+        raise RuntimeError("not supported by this allocator")
+    t.cuda.memory_stats = staticmethod(refused)
+    TorchFramework().reserve(GPU0, [64 * MiB, 64 * MiB])
     assert t.made == []
 
 
 def test_out_of_memory_leaves_the_tensors_to_their_own_allocations(torch_standin):
     torch_standin(fail=True)
-    TorchFramework().reserve(GPU0, [64 * MiB])   # no error: each tensor is then allocated alone
+    TorchFramework().reserve(GPU0, [64 * MiB, 64 * MiB])   # no error: each tensor is then allocated alone
 
 
 class RecordingFramework(frameworks.NumpyFramework):

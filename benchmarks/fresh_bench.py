@@ -166,6 +166,10 @@ def main(argv: list[str]) -> int:
                          f"rows {ratio(med(f'tp_rows@{name}'), t)}"))
         res.table(rows, right={1, 2, 3})
         res.say("", f"one-time cost of the first load (first minus second, medians): {f(one_time, '{:.3f}')} s")
+        stolen = {case: [x["stolen"] for x in rs if "stolen" in x] for case, rs in runs.items()}
+        if any(stolen.values()):   # a shared machine: the rounds its host slowed
+            res.say("", "CPU seconds the host took from this machine (steal) while each case ran, median / most: "
+                    + ", ".join(f"{case} {median(v):.2f} / {max(v):.2f}" for case, v in stolen.items() if v))
     if "cold" in groups:
         raw = median([x["bytes"] / x["seconds"] / GB for x in runs.get("raw_cold_read", [])])
         cold, restart = gbps("cold"), gbps("restart")

@@ -20,21 +20,37 @@ PEERS = ("safetensors", "instanttensor", "kvikio", "fastsafetensors")
 PEER_ENV = {"kvikio": {"KVIKIO_COMPAT_MODE": "ON", "KVIKIO_NTHREADS": "16"}}
 
 
+def stolen_seconds() -> float | None:
+    """CPU seconds the hypervisor has taken from this machine's CPUs since boot (``/proc/stat``'s
+    steal), None where unknown: on a shared virtual machine, what tells a slowed round apart."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def run(case: str, ckpt: str, device: str, files: list[str], timeout: float = 600,
         env: dict[str, str] | None = None) -> dict:
-    """``case`` in a new process (``env``: more variables): what it reported, or ``{"error": ...}``."""
+    """``case`` in a new process (``env``: more variables): what it reported, or ``{"error": ...}``;
+    with ``stolen``, the CPU seconds the hypervisor took from the machine while it ran."""
     env = dict(os.environ, **PEER_ENV.get(case, {}), **(env or {}))
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    before = stolen_seconds()
     try:
         r = subprocess.run([sys.executable, os.path.abspath(__file__), case, ckpt, device, *files],
                            capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
+    after = stolen_seconds()
     found = [x[len(RESULT):] for x in r.stdout.splitlines() if x.startswith(RESULT)]
     if r.returncode or not found:
         return {"error": f"exit {r.returncode}: {(r.stderr or r.stdout).strip()[-1200:]}"}
-    return json.loads(found[-1])
+    out = json.loads(found[-1])
+    if before is not None and after is not None:
+        out["stolen"] = round(after - before, 3)
+    return out
 
 
 # ---------------------------------------------------------------- the child

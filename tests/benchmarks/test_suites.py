@@ -223,3 +223,19 @@ def test_tiny_tensors_times_both_loaders_in_new_processes(tmp_path):
         assert len(data["runs"][case]) == 2
         assert all(r["ok"] and r["tensors"] == 3000 and r["seconds"] > 0 for r in data["runs"][case])
     assert os.listdir(tmp_path / "d") == ["tiny-3000.safetensors"]
+
+
+def test_a_fresh_run_says_what_the_host_took_from_the_machine(tmp_path, monkeypatch):
+    files = common.ensure_checkpoint(str(tmp_path / "ck"), "4MiB", shards=2)
+    before = fresh.stolen_seconds()
+    r = fresh.run("foxhunt", str(tmp_path / "ck"), "cpu", files, timeout=120)
+    assert r["seconds"] > 0 and r["second"] > 0, r
+    if before is None:   # no /proc/stat here
+        assert "stolen" not in r
+    else:
+        assert 0 <= r["stolen"] <= fresh.stolen_seconds() - before + 0.01
+
+    def no_proc(*a, **k):
+        raise FileNotFoundError("/proc/stat")
+    monkeypatch.setattr("builtins.open", no_proc)
+    assert fresh.stolen_seconds() is None

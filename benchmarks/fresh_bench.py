@@ -57,7 +57,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--safetensors", action="store_true", help="also safetensors.torch in the hot group (slow)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE,...",
                     help="also foxhunt's cases with these environment variables (e.g. "
-                         "small:FOXHUNT_CHUNK_BYTES=4MiB,FOXHUNT_STAGING_BYTES=128MiB), as CASE@NAME")
+                         "small:FOXHUNT_CHUNK_BYTES=4MiB,FOXHUNT_STAGING_BYTES=128MiB; other:PYTHONPATH=DIR "
+                         "times the package in DIR), as CASE@NAME")
     ap.add_argument("--host-file", default=None, help="the 1 GiB F32 file of the host group (written when missing; "
                                                        "default: CKPT/../foxhunt-host-f32.safetensors)")
     args = ap.parse_args(argv)

@@ -32,11 +32,15 @@ def stolen_seconds() -> float | None:
 
 def run(case: str, ckpt: str, device: str, files: list[str], timeout: float = 600,
         env: dict[str, str] | None = None) -> dict:
-    """``case`` in a new process (``env``: more variables): what it reported, or ``{"error": ...}``;
-    with ``stolen``, the CPU seconds the hypervisor took from the machine while it ran."""
-    env = dict(os.environ, **PEER_ENV.get(case, {}), **(env or {}))
+    """``case`` in a new process (``env``: more variables; its ``PYTHONPATH`` comes before this
+    package's, so another version of the package is timed in the same rounds): what it reported,
+    or ``{"error": ...}``; with ``stolen``, the CPU seconds the hypervisor took from the machine
+    while it ran."""
+    extra = dict(env or {})
+    first = extra.pop("PYTHONPATH", None)
+    env = dict(os.environ, **PEER_ENV.get(case, {}), **extra)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (first, package_root, os.environ.get("PYTHONPATH")) if p)
     before = stolen_seconds()
     try:
         r = subprocess.run([sys.executable, os.path.abspath(__file__), case, ckpt, device, *files],

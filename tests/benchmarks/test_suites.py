@@ -239,3 +239,12 @@ def test_a_fresh_run_says_what_the_host_took_from_the_machine(tmp_path, monkeypa
         raise FileNotFoundError("/proc/stat")
     monkeypatch.setattr("builtins.open", no_proc)
     assert fresh.stolen_seconds() is None
+
+
+def test_a_variants_pythonpath_comes_before_the_package(tmp_path):
+    """``fresh_bench.py --variant name:PYTHONPATH=DIR`` times the package in DIR, not this one."""
+    files = common.ensure_checkpoint(str(tmp_path / "ck"), "4MiB", shards=2)
+    (tmp_path / "alt" / "foxhunt_stream").mkdir(parents=True)
+    (tmp_path / "alt" / "foxhunt_stream" / "__init__.py").write_text('raise ImportError("the package in alt")\n')
+    r = fresh.run("foxhunt", str(tmp_path / "ck"), "cpu", files, timeout=120, env={"PYTHONPATH": str(tmp_path / "alt")})
+    assert "the package in alt" in r.get("error", ""), r

@@ -6,8 +6,8 @@ on that event, so a buffer is reused as soon as its copy is done and never soone
 
 Pinned pools are made once per process and device and reused by every later load and save. A
 process's first load starts pinning its GPU's pool as soon as it knows the device
-(``prepare``): several threads pin slots at once while the caller reads the headers and plans,
-and a worker takes each slot as soon as it is pinned.
+(``prepare``): several threads pin slots at once while the caller reads the headers and plans;
+a worker's ring takes its slots as they are pinned (``CudaTarget``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,11 @@ each reports when it ended, in ms from the clock's start: ``import`` (the loader
 ``placement``, ``headers`` (``open_checkpoint``), ``plan`` (``prepare``), ``workers`` (the load in
 flight), pinning (``pin0``: the first slot begun; ``pin1``, ``pin16``, ``pinN``: the first, 16th
 and last slot pinned), the first read into staging
-(``read0``) and the tensors on the device (``done``). Then a second load in the same process,
-timed from its own start. A variant is ``+``-joined parts: ``plain``; ``rows`` (rank 0 of TP=8,
+(``read0``) and the tensors on the device (``done``); beside them the tensors' memory reserved
+(``reserve``), the last tensor made (``allocN``), the held workers released (``release``), the
+last read and the last chunk landed (``readN``, ``landN``), and the mean microseconds of one
+chunk's landing (``land_us``: its read and its copy queued) and of one tensor made (``alloc_us``).
+Then a second load in the same process, timed from its own start. A variant is ``+``-joined parts: ``plain``; ``rows`` (rank 0 of TP=8,
 every tensor by rows); ``swi`` (``sys.setswitchinterval(0.0002)`` before the clock);
 ``prealloc`` (17 GB reserved in torch's caching allocator before the clock); ``warm``
 (``fs.warmup`` before the clock); ``preimport`` (the loader imported before the clock);
@@ -59,7 +62,7 @@ def child(variant: str, ckpt: str, device: str) -> dict:
         import foxhunt_stream
         foxhunt_stream.warmup(device)
     events: list[tuple[float, str]] = []
-    spans: dict[str, list] = {}   # key -> [count, first start, last end, every end]
+    spans: dict[str, list] = {}   # key -> [count, first start, last end, every end, seconds in it]
     lock = threading.Lock()
     clock = [time.perf_counter()]
 
@@ -69,7 +72,7 @@ def child(variant: str, ckpt: str, device: str) -> dict:
     import foxhunt_stream as fs
     import foxhunt_stream.api  # noqa: F401
     from foxhunt_stream.cuda import runtime
-    from foxhunt_stream.engine import loader
+    from foxhunt_stream.engine import frameworks, loader, pipeline, targets
     from foxhunt_stream.io import source
     stamp("imported")
 
@@ -93,10 +96,11 @@ def child(variant: str, ckpt: str, device: str) -> dict:
             finally:
                 end = time.perf_counter()
                 with lock:
-                    s = spans.setdefault(key, [0, t, end, []])
+                    s = spans.setdefault(key, [0, t, end, [], 0.0])
                     s[0] += 1
                     s[1], s[2] = min(s[1], t), max(s[2], end)
                     s[3].append(end)
+                    s[4] += end - t
         setattr(cls, name, timed)
 
     for name in ("placement", "open_checkpoint", "prepare", "LoadInFlight"):
@@ -104,6 +108,11 @@ def child(variant: str, ckpt: str, device: str) -> dict:
     if gpu:
         spanned(runtime.PinnedArena, "pin", "pin")
     spanned(source.FileSource, "read_span", "read")
+    fw_cls = frameworks.TorchFramework if gpu else frameworks.NumpyFramework
+    spanned(fw_cls, "reserve", "reserve")
+    spanned(fw_cls, "new", "alloc")
+    spanned(targets.CudaTarget if gpu else targets.HostTarget, "land", "land")
+    spanned(pipeline.Job, "release", "release")
     kw = {"shard": fs.TPSlice(0, 8, dim=0)} if "rows" in parts else {}
     loads = []
     for i in range(2):
@@ -119,7 +128,13 @@ def child(variant: str, ckpt: str, device: str) -> dict:
         marks = [("pin0", spans["pin"][1] if pins else None), ("pin1", pins[0] if pins else None),
                  ("pin16", pins[15] if len(pins) >= 16 else None), ("pinN", pins[-1] if pins else None),
                  ("read0", spans["read"][1] if "read" in spans else None)]
+        marks += [(k, spans[key][2] if key in spans else None) for k, key in
+                  (("reserve", "reserve"), ("allocN", "alloc"), ("release", "release"), ("readN", "read"),
+                   ("landN", "land"))]
         ms = {k: round((v - clock[0]) * 1e3, 3) for k, v in marks if v is not None}
+        # the mean time of one chunk's landing (read, copy queued) and of one allocation, in microseconds
+        ms.update({k: round(spans[key][4] / spans[key][0] * 1e6, 1) for k, key in
+                   (("land_us", "land"), ("alloc_us", "alloc")) if key in spans})
         loads.append({"events": list(events), "spans": ms})
     return {"loads": loads}
 
@@ -179,9 +194,11 @@ def main(argv: list[str]) -> int:
             continue
         firsts = [milestones(x["loads"][0]) for x in rs]
         keys = [k for k in firsts[0] if all(k in f for f in firsts)]
-        second = statistics.median(milestones(x["loads"][1])["done"] for x in rs)
+        seconds = [milestones(x["loads"][1]) for x in rs]
+        later = [k for k in ("read0", "readN", "land_us", "alloc_us", "done") if all(k in f for f in seconds)]
         say(f"{v}: " + " ".join(f"{k} {statistics.median(f[k] for f in firsts):.1f}" for k in keys)
-            + f" | second {second:.1f}  ({len(rs)} rounds)")
+            + " | second " + " ".join(f"{k} {statistics.median(f[k] for f in seconds):.1f}" for k in later)
+            + f"  ({len(rs)} rounds)")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, a.name + ".json"), "w") as f:

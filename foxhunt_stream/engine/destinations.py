@@ -1,5 +1,5 @@
 """Destinations: the arrays a load fills (one per ``plan.Destination``), made by the framework
-as the pipeline reaches them or handed in by ``load_into``; the pipeline sees only ``Buffer`` s.
+before the workers start or handed in by ``load_into``; the pipeline sees only ``Buffer`` s.
 """
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ from typing import Callable, Iterator, Sequence
 
 from ..cuda.devices import Device
 from ..format.plan import LoadPlan
-from . import workers
 from .frameworks import Buffer, Framework
 
 
 class Destinations:
-    """Where each destination of a plan lands. ``allocate`` makes new arrays lazily, as their
-    first chunk is reached, so allocation overlaps the reads; ``fixed`` wraps existing buffers."""
+    """Where each destination of a plan lands. ``allocate`` makes new arrays (``make`` makes them,
+    a shared chunk's as it lands); ``fixed`` wraps existing buffers."""
 
     def __init__(self, n: int, devices_of: list[Device], make=None, buffers: list[Buffer] | None = None,
                  arrays: list | None = None, devices: set[Device] | None = None, copies=None,
@@ -27,7 +26,7 @@ class Destinations:
         self._buffer_of = buffer_of   # the Buffer of an array made so (asked for after it landed, if ever)
         self.buffers: list[Buffer | None] = buffers if buffers is not None else [None] * n
         self.arrays: list = arrays if arrays is not None else [None] * n
-        # one for all: which destinations are being made (each once, mostly by the allocating thread)
+        # one for all: which destinations are being made (each once, whichever thread asks first)
         self._made = threading.Condition(threading.Lock())
         self._making: set[int] = set()
 
@@ -106,28 +105,13 @@ class Destinations:
             b.host[:] = view[pos:end]
             pos = end
 
-    def allocate_ahead(self, order: Sequence[int], stop: threading.Event,
-                       then: Callable[[], None] | None = None) -> workers.Task | None:
-        """Allocate destinations in ``order`` on one thread, ahead of the workers (which, each
-        allocating their own, contend for the GIL and the allocator's lock); a worker that overtakes
-        it allocates for itself and reports any failure. ``then`` runs when it stops, however."""
-        if self._make is None:
-            return None
-
-        def run():
-            try:
-                for d in order:
-                    if stop.is_set():
-                        return
-                    if self.buffers[d] is None:
-                        try:
-                            self.buffer(d)
-                        except BaseException:  # noqa: BLE001 - the worker raises it, with context
-                            return
-            finally:
-                if then is not None:
-                    then()
-        return workers.run(run, "foxhunt-alloc")
+    def make(self, order: Sequence[int]) -> None:
+        """Make the destinations ``order`` lists, in that order, on this thread (a load's caller,
+        before its workers start)."""
+        if self._make is not None:
+            for d in order:
+                if self.buffers[d] is None:
+                    self.buffer(d)
 
     def array(self, d: int):
         a = self.arrays[d]

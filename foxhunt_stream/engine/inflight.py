@@ -2,8 +2,8 @@
 
 ``LoadInFlight`` is the one route of every load: workers take the plan's chunks in order and a
 target lands each; per destination it counts the chunks in and keeps their copies' events, so a
-caller may wait for one tensor or all. It also runs the allocating thread and cancellation, and
-``finish`` leaves nothing half-done. When the last worker stops the files are checked and ``on_end``
+caller may wait for one tensor or all. It makes the destinations before the workers start, runs
+cancellation, and ``finish`` leaves nothing half-done. When the last worker stops the files are checked and ``on_end``
 runs. An optional ``LoadCheck`` (checksums) is called per chunk and per destination.
 """
 
@@ -47,13 +47,6 @@ class LoadCheck(Protocol):
     def drain(self) -> None: ...
 
 
-def held_workers(threads: int, cpus: int | None = None) -> int:
-    """Workers to hold back while the allocating thread runs: enough to leave two CPUs free."""
-    if cpus is None:
-        cpus = _settings.available_cpus()
-    return max(0, min(threads - 1, threads + 2 - cpus))
-
-
 class LoadInFlight:
     """A load plan in flight: per-destination readiness, cancellation, one wait for all."""
 
@@ -92,15 +85,12 @@ class LoadInFlight:
         log.debug("load: %d tensors, %d bytes, %d chunks, %d threads, chunk %d, staging %d, backends %s",
                   len(plan.destinations), plan.nbytes, len(plan.chunks), threads, s.chunk_bytes,
                   s.staging_bytes, sorted({src.backend for src in sources}))
+        # every destination with chunks of its own is made here, before the workers start: made
+        # beside them, each took the GIL and the driver from them (RESULTS.md). A shared chunk's
+        # small tensors are made by the worker landing it.
+        dests.make(plan.dest_order())
         self.job = Job(plan.chunks, self._work, threads, self._on_done, keepalive=keepalive,
-                       teardown=self._worker_done, on_end=self._end)
-        # the allocator starts first so that it leads the workers, which leave it a CPU (and one
-        # for the caller and the driver) while it runs (RESULTS.md). A shared chunk's small tensors
-        # are made by the worker landing it: the allocator would only contend with it for them.
-        order = plan.dest_order()
-        self._allocator = (dests.allocate_ahead(order, self.job.stopping, then=self.job.release)
-                           if len(order) > 1 else None)
-        self.job.start(hold=held_workers(threads) if self._allocator is not None else 0)
+                       teardown=self._worker_done, on_end=self._end).start()
 
     def _work(self, worker: int, chunk):
         d = chunk.dest
@@ -109,9 +99,7 @@ class LoadInFlight:
             land = self.dests.shared_chunk if isinstance(target, CudaTarget) else self.dests.land_shared
             return target.land_packed(worker, self.sources[chunk.file], chunk.run, functools.partial(land, d))
         inspect = self.check.inspector(d, chunk.run) if self.check is not None else None
-        # a GPU chunk is read into pinned staging before its destination is needed: an allocation overlaps the read
-        buf = self.dests.buffers[d] or functools.partial(self.dests.buffer, d)
-        return self._target_of[d].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect)
+        return self._target_of[d].land(worker, self.sources[chunk.file], chunk.run, self.dests.buffers[d], inspect=inspect)
 
     def _worker_done(self, worker: int) -> None:
         for t in self._targets.values():
@@ -188,7 +176,6 @@ class LoadInFlight:
         except BaseException:
             self._stop_everything()
             raise
-        self._join_allocator()
         self._drain()
         self.progress.close()
         if self.check is not None:
@@ -213,17 +200,11 @@ class LoadInFlight:
         self._stop_everything()
 
     def _stop_everything(self) -> None:
-        """After a failure: no allocation, copy or check still running, no array kept alive."""
-        self._join_allocator()
+        """After a failure: no copy or check still running, no array kept alive."""
         with contextlib.suppress(Exception):   # the error being raised is the one to report
             self._drain()
         self.dests.release()
         self.progress.close()
-
-    def _join_allocator(self) -> None:
-        if self._allocator is not None:
-            self._allocator.join()   # every destination it started is allocated or failed
-            self._allocator = None
 
     def _check_unchanged(self) -> None:
         for src in self.sources:

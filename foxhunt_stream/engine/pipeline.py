@@ -39,31 +39,16 @@ class Job:
         self._name = name
         self._n = n
         self._tasks: list[workers.Task] = []
-        self._held: list[int] = []
-        self._released = False
         if not n:
             self._end()
 
-    def start(self, hold: int = 0) -> "Job":
-        """Start the workers; the last ``hold`` of them only at ``release()``, which must come."""
-        with self._lock:
-            hold = 0 if self._released else max(0, min(hold, self._n - 1))
-            self._held = list(range(self._n - hold, self._n))
-        self._launch(range(self._n - hold))
-        return self
-
-    def release(self) -> None:
-        """Start the workers ``start(hold=)`` held back (at once if called before ``start``)."""
-        with self._lock:
-            self._released = True
-            held, self._held = self._held, []
-        self._launch(held)
-
-    def _launch(self, ws) -> None:
-        for w in ws:
+    def start(self) -> "Job":
+        """Start the workers."""
+        for w in range(self._n):
             task = workers.run(functools.partial(self._run, w), f"{self._name}-{w}")
             with self._lock:
                 self._tasks.append(task)
+        return self
 
     def _run(self, worker: int) -> None:
         try:

@@ -70,11 +70,9 @@ class HostTarget:
             self._pool = host_pool(self.scratch_bytes, self.n_slots)
         return self._pool
 
-    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer | Callable[[], Buffer], inspect=None):
+    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None):
         """Read the chunk into its destination (or through a scratch slot); returns None (no copy
         is left in flight)."""
-        if callable(buf):
-            buf = buf()
         if run.height == 1 and source.direct_reads:
             dst = buf.host[run.dst:run.dst + run.width]
             if inspect is not None:   # checksums: hashed piece by piece as they land, on this thread
@@ -178,23 +176,17 @@ class CudaTarget:
         for slot, ev, pending in zip(ring.slots, ring.events, ring.pending):
             ring.pool.release(slot, ev if pending else None)
 
-    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer | Callable[[], Buffer], inspect=None):
+    def land(self, worker: int, source: FileSource, run: Run, buf: Buffer, inspect=None):
         """Read the chunk into the worker's next slot, queue its copy and return the slot's event,
         which completes after it. The event is the slot's own, re-recorded by this worker's later
         chunks from that slot: a wait on it may over-wait (by at most a ring's worth of copies),
-        never under-wait, and no event is made per chunk.
-
-        ``buf`` may be a function giving the destination: it is called after the read, so the
-        destination's allocation (on a GPU: the framework allocator, under the GIL) overlaps the
-        read instead of preceding it."""
+        never under-wait, and no event is made per chunk."""
         rt = self._rt
         ring, k = self._next_slot(worker)
         event = ring.events[k]
         slot = ring.slots[k]
         src = ring.ptrs[k]
         if run.height > 1 and source.gather(run, slot.array):    # mapped source: rows packed
-            if callable(buf):
-                buf = buf()
             rt.memcpyAsync(buf.ptr + run.dst, src, run.nbytes, H2D, ring.stream_ptr)
         else:
             if inspect is not None:
@@ -203,8 +195,6 @@ class CudaTarget:
                 view = source.read_span(run.src, run.span, slot.array)
             if not source.direct_reads:   # O_DIRECT: the bytes start inside the aligned span
                 src = view.ctypes.data
-            if callable(buf):
-                buf = buf()
             if run.height == 1:
                 rt.memcpyAsync(buf.ptr + run.dst, src, run.nbytes, H2D, ring.stream_ptr)
             else:

@@ -6,8 +6,16 @@ import threading
 from foxhunt_stream.engine import workers
 
 
+# the threads pinning a GPU's process-wide staging pool (``staging.StagingPool.fill_async``): a load
+# starts them and takes the slots it needs; with a small ``chunk_bytes`` (65,536 slots of 4 KiB)
+# they go on pinning the rest for the next loads long after it ended
+PINNING = "foxhunt-pin-"
+
+
 def foxhunt_threads_at_work(prefix: str = "foxhunt") -> list[threading.Thread]:
     """Alive threads named ``prefix...``, but for the workers parked for the next job
-    (``engine.workers``): they hold nothing of a finished one (tests/engine/test_workers.py)."""
+    (``engine.workers``): they hold nothing of a finished one (tests/engine/test_workers.py), and
+    the threads pinning a GPU's pool, which is the process's, not a load's."""
     return [t for t in threading.enumerate()
-            if t.name.startswith(prefix) and t.name != workers.IDLE_NAME and t.is_alive()]
+            if t.name.startswith(prefix) and t.name != workers.IDLE_NAME and not t.name.startswith(PINNING)
+            and t.is_alive()]

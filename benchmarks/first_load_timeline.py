@@ -6,23 +6,21 @@
     python3 benchmarks/first_load_timeline.py /tmp/ck --device cpu --rounds 1   # anywhere
 
 Each round runs every variant in a new process (the order rotated from round to round). The child
-imports torch and makes its CUDA context (on a GPU), untimed; then the clock starts, before the loader's
-import, as in ``fresh_bench.py``. The loader's steps are wrapped (no change to what they do) and
-each reports when it ended, in ms from the clock's start: ``import`` (the loader's modules),
+imports torch and makes its CUDA context (on a GPU), untimed; then the clock starts, before the
+loader's import, as in ``fresh_bench.py``. The loader's steps are wrapped (no change to what they
+do) and each reports when it ended, in ms from the clock's start: ``import`` (the loader's modules),
 ``placement``, ``headers`` (``open_checkpoint``), ``plan`` (``prepare``), ``workers`` (the load in
-flight), pinning (``pin0``: the first slot begun; ``pin1``, ``pin16``, ``pinN``: the first, 16th
-and last slot pinned), the first read into staging
-(``read0``) and the tensors on the device (``done``); beside them the tensors' memory reserved
-(``reserve``), the last tensor made (``allocN``), the held workers released (``release``), the
-last read and the last chunk landed (``readN``, ``landN``), and the mean microseconds of one
-chunk's landing (``land_us``: its read and its copy queued) and of one tensor made (``alloc_us``).
-Then a second load in the same process, timed from its own start. A variant is ``+``-joined parts: ``plain``; ``rows`` (rank 0 of TP=8,
-every tensor by rows); ``swi`` (``sys.setswitchinterval(0.0002)`` before the clock);
-``prealloc`` (17 GB reserved in torch's caching allocator before the clock); ``warm``
-(``fs.warmup`` before the clock); ``preimport`` (the loader imported before the clock);
-``env:NAME=VALUE`` (the child's environment: ``env:PYTHONPATH=/other/checkout`` times another
-version of the package in the same rounds).
-"""
+flight), pinning (``pin0``: the first slot begun; ``pin1``, ``pin16``, ``pinN``: the first, 16th and
+last slot pinned), the first read into staging (``read0``) and the tensors on the device (``done``);
+beside them the tensors' memory reserved (``reserve``), the last tensor made (``allocN``), the last
+read and the last chunk landed (``readN``, ``landN``), and the mean microseconds of one chunk's
+landing (``land_us``: its read and its copy queued) and of one tensor made (``alloc_us``). Then a
+second load in the same process, timed from its own start. A variant is ``+``-joined parts:
+``plain``; ``rows`` (rank 0 of TP=8, every tensor by rows); ``swi``
+(``sys.setswitchinterval(0.0002)`` before the clock); ``prealloc`` (17 GB reserved in torch's
+caching allocator before the clock); ``warm`` (``fs.warmup`` before the clock); ``preimport`` (the
+loader imported before the clock); ``env:NAME=VALUE`` (the child's environment:
+``env:PYTHONPATH=/other/checkout`` times another version of the package in the same rounds)."""
 
 from __future__ import annotations
 
@@ -72,7 +70,7 @@ def child(variant: str, ckpt: str, device: str) -> dict:
     import foxhunt_stream as fs
     import foxhunt_stream.api  # noqa: F401
     from foxhunt_stream.cuda import runtime
-    from foxhunt_stream.engine import frameworks, loader, pipeline, targets
+    from foxhunt_stream.engine import frameworks, loader, targets
     from foxhunt_stream.io import source
     stamp("imported")
 
@@ -88,7 +86,7 @@ def child(variant: str, ckpt: str, device: str) -> dict:
 
     def spanned(cls, name: str, key: str) -> None:   # a step of any thread: count, first start, last end
         f = getattr(cls, name, None)
-        if f is None:   # not in the version of the package being timed
+        if f is None:   # not in the version of the package being timed (env:PYTHONPATH=)
             return
 
         def timed(*a, **k):
@@ -114,7 +112,6 @@ def child(variant: str, ckpt: str, device: str) -> dict:
     spanned(fw_cls, "reserve", "reserve")
     spanned(fw_cls, "new", "alloc")
     spanned(targets.CudaTarget if gpu else targets.HostTarget, "land", "land")
-    spanned(pipeline.Job, "release", "release")
     kw = {"shard": fs.TPSlice(0, 8, dim=0)} if "rows" in parts else {}
     loads = []
     for i in range(2):
@@ -131,8 +128,7 @@ def child(variant: str, ckpt: str, device: str) -> dict:
                  ("pin16", pins[15] if len(pins) >= 16 else None), ("pinN", pins[-1] if pins else None),
                  ("read0", spans["read"][1] if "read" in spans else None)]
         marks += [(k, spans[key][2] if key in spans else None) for k, key in
-                  (("reserve", "reserve"), ("allocN", "alloc"), ("release", "release"), ("readN", "read"),
-                   ("landN", "land"))]
+                  (("reserve", "reserve"), ("allocN", "alloc"), ("readN", "read"), ("landN", "land"))]
         ms = {k: round((v - clock[0]) * 1e3, 3) for k, v in marks if v is not None}
         # the mean time of one chunk's landing (read, copy queued) and of one allocation, in microseconds
         ms.update({k: round(spans[key][4] / spans[key][0] * 1e6, 1) for k, key in

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -72,16 +73,25 @@ def test_each_destination_made_once_on_the_caller_before_any_read(ckpt, monkeypa
 
 
 def test_allocation_failure_surfaces_naming_the_tensor(ckpt, monkeypatch):
+    """The error names the tensor, no read starts, and the arrays made before it are let go."""
     p, _ = ckpt
     real = frameworks.NumpyFramework.empty
+    made: list[weakref.ref] = []
+    reads: list[int] = []
+    real_read = source.FileSource.read_into
 
     def failing(self, dtype, shape, device, tensor=""):
         if tensor == "t050":
             raise MemoryError(f"cannot allocate {tensor}")
-        return real(self, dtype, shape, device, tensor)
+        arr = real(self, dtype, shape, device, tensor)
+        made.append(weakref.ref(arr))
+        return arr
     monkeypatch.setattr(frameworks.NumpyFramework, "empty", failing)
+    monkeypatch.setattr(source.FileSource, "read_into", lambda self, out, off: reads.append(off) or real_read(self, out, off))
     with pytest.raises(MemoryError, match="t050"):
         fs.load_file(p, threads=4, chunk_bytes=4096)
+    assert len(made) == 50 and not reads
+    assert all(r() is None for r in made), "arrays of a failed load are still alive"
     monkeypatch.setattr(frameworks.NumpyFramework, "empty", real)
     assert len(fs.load_file(p, threads=4)) == 120    # the process is fine for the next load
 

@@ -7,8 +7,8 @@ from foxhunt_stream.engine import workers
 
 
 # the threads pinning a GPU's process-wide staging pool (``staging.StagingPool.fill_async``): a load
-# starts them and takes the slots it needs; with a small ``chunk_bytes`` (65,536 slots of 4 KiB)
-# they go on pinning the rest for the next loads long after it ended
+# starts them and takes the slots it needs; with a small ``chunk_bytes`` (16,384 slots of 16 KiB
+# in 256 MiB) they go on pinning the rest for the next loads long after it ended
 PINNING = "foxhunt-pin-"
 
 

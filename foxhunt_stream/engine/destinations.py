@@ -105,13 +105,12 @@ class Destinations:
             b.host[:] = view[pos:end]
             pos = end
 
-    def make(self, order: Sequence[int]) -> None:
-        """Make the destinations ``order`` lists, in that order, on this thread (a load's caller,
-        before its workers start)."""
+    def make(self, plan: LoadPlan) -> None:
+        """Make the destinations with chunks of their own, in the order the workers reach them, on
+        this thread (a load's caller, before its workers start); nothing for ``fixed`` buffers."""
         if self._make is not None:
-            for d in order:
-                if self.buffers[d] is None:
-                    self.buffer(d)
+            for d in plan.dest_order():
+                self.buffer(d)
 
     def array(self, d: int):
         a = self.arrays[d]

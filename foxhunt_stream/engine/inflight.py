@@ -3,8 +3,8 @@
 ``LoadInFlight`` is the one route of every load: workers take the plan's chunks in order and a
 target lands each; per destination it counts the chunks in and keeps their copies' events, so a
 caller may wait for one tensor or all. It makes the destinations before the workers start, runs
-cancellation, and ``finish`` leaves nothing half-done. When the last worker stops the files are checked and ``on_end``
-runs. An optional ``LoadCheck`` (checksums) is called per chunk and per destination.
+cancellation, and ``finish`` leaves nothing half-done. When the last worker stops the files are
+checked and ``on_end`` runs. An optional ``LoadCheck`` (checksums) is called per chunk and per destination.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class LoadInFlight:
         # every destination with chunks of its own is made here, before the workers start: made
         # beside them, each took the GIL and the driver from them (RESULTS.md). A shared chunk's
         # small tensors are made by the worker landing it.
-        dests.make(plan.dest_order())
+        dests.make(plan)
         self.job = Job(plan.chunks, self._work, threads, self._on_done, keepalive=keepalive,
                        teardown=self._worker_done, on_end=self._end).start()
 
@@ -99,7 +99,8 @@ class LoadInFlight:
             land = self.dests.shared_chunk if isinstance(target, CudaTarget) else self.dests.land_shared
             return target.land_packed(worker, self.sources[chunk.file], chunk.run, functools.partial(land, d))
         inspect = self.check.inspector(d, chunk.run) if self.check is not None else None
-        return self._target_of[d].land(worker, self.sources[chunk.file], chunk.run, self.dests.buffers[d], inspect=inspect)
+        buf = self.dests.buffers[d]
+        return self._target_of[d].land(worker, self.sources[chunk.file], chunk.run, buf, inspect=inspect)
 
     def _worker_done(self, worker: int) -> None:
         for t in self._targets.values():

@@ -87,7 +87,8 @@ def test_allocation_failure_surfaces_naming_the_tensor(ckpt, monkeypatch):
         made.append(weakref.ref(arr))
         return arr
     monkeypatch.setattr(frameworks.NumpyFramework, "empty", failing)
-    monkeypatch.setattr(source.FileSource, "read_into", lambda self, out, off: reads.append(off) or real_read(self, out, off))
+    monkeypatch.setattr(source.FileSource, "read_into",
+                        lambda self, out, off: reads.append(off) or real_read(self, out, off))
     with pytest.raises(MemoryError, match="t050"):
         fs.load_file(p, threads=4, chunk_bytes=4096)
     assert len(made) == 50 and not reads

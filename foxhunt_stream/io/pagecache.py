@@ -154,20 +154,25 @@ def _counted_fraction(fd: int, size: int, samples: int) -> float | None:
     page = mmap.PAGESIZE
     pages = -(-size // page)
     runs = -(-samples // SAMPLE_RUN)
-    if runs * COUNT_RUN >= pages:
-        ranges = [(0, 0)]   # (0, 0): the whole file
-    else:
-        ranges = [(p * page, COUNT_RUN * page)
-                  for p in sorted({min((i * pages) // runs, pages - COUNT_RUN) for i in range(runs)})]
+    whole = runs * COUNT_RUN >= pages
+    starts = [0] if whole else _run_starts(pages, runs, COUNT_RUN)
+    length = 0 if whole else COUNT_RUN * page   # 0: to the end of the file
     span, stat_ = _CachestatRange(), (ctypes.c_uint64 * 5)()   # nr_cache, dirty, writeback, evicted, recent
     ref_span, ref_stat, cached = ctypes.byref(span), ctypes.byref(stat_), 0
-    for span.off, span.len in ranges:
+    for p in starts:
+        span.off, span.len = p * page, length
         if lib.syscall(_CACHESTAT, fd, ref_span, ref_stat, 0) != 0:
             if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):   # an older kernel, or a filter refusing it
                 _cachestat_works = False
             return None
         cached += stat_[0]
-    return min(1.0, cached / (pages if ranges == [(0, 0)] else len(ranges) * COUNT_RUN))
+    return min(1.0, cached / (pages if whole else len(starts) * COUNT_RUN))
+
+
+def _run_starts(pages: int, runs: int, run: int) -> list[int]:
+    """The first pages of ``runs`` runs of ``run`` pages spread evenly over ``pages`` (fewer where
+    they meet)."""
+    return sorted({min((i * pages) // runs, pages - run) for i in range(runs)})
 
 
 def _mincore_sample(fd: int, size: int, samples: int) -> float:
@@ -187,7 +192,7 @@ def _mincore_sample(fd: int, size: int, samples: int) -> float:
             return float((np.frombuffer(vec, np.uint8) & 1).mean())
         # a call costs ~2 us of ctypes, the page lookups next to nothing
         runs = -(-samples // SAMPLE_RUN)
-        starts = sorted({min((i * pages) // runs, pages - SAMPLE_RUN) for i in range(runs)})
+        starts = _run_starts(pages, runs, SAMPLE_RUN)
         vec = (ctypes.c_ubyte * SAMPLE_RUN)()
         ref, span, hits = ctypes.byref(vec), SAMPLE_RUN * page, 0
         for p in starts:

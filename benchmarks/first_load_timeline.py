@@ -84,8 +84,8 @@ def child(variant: str, ckpt: str, device: str) -> dict:
                 stamp(name + ":end")
         setattr(loader, name, timed)
 
-    def spanned(cls, name: str, key: str) -> None:   # a step of any thread: count, first start, last end
-        f = getattr(cls, name, None)
+    def spanned(cls, name: str, key: str, each=lambda a: 1) -> None:   # a step of any thread: count, first
+        f = getattr(cls, name, None)                                  # start, last end (``each`` per call)
         if f is None:   # not in the version of the package being timed (env:PYTHONPATH=)
             return
 
@@ -97,16 +97,19 @@ def child(variant: str, ckpt: str, device: str) -> dict:
                 end = time.perf_counter()
                 with lock:
                     s = spans.setdefault(key, [0, t, end, [], 0.0])
-                    s[0] += 1
+                    s[0] += each(a)
                     s[1], s[2] = min(s[1], t), max(s[2], end)
-                    s[3].append(end)
+                    s[3].extend([end] * each(a))
                     s[4] += end - t
         setattr(cls, name, timed)
 
     for name in ("placement", "open_checkpoint", "prepare", "LoadInFlight"):
         steps(name)
     if gpu:
-        spanned(runtime.PinnedArena, "pin", "pin")
+        if hasattr(runtime.PinnedArena, "pin_slots"):   # slots pinned a range at a time
+            spanned(runtime.PinnedArena, "pin_slots", "pin", each=lambda a: len(a[1]))
+        else:
+            spanned(runtime.PinnedArena, "pin", "pin")
     spanned(source.FileSource, "read_span", "read")
     fw_cls = frameworks.TorchFramework if gpu else frameworks.NumpyFramework
     spanned(fw_cls, "reserve", "reserve")

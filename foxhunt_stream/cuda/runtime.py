@@ -215,8 +215,9 @@ class PinnedArena:
     faster than ``cudaHostAlloc`` (RESULTS: "Pinned staging in a fresh process"). So the mapping
     asks for huge pages and ``pin(k)`` faults slot ``k`` in on the calling thread (a ``memset``,
     the GIL released; ``MADV_POPULATE_WRITE`` would hold the process's memory-map lock, which
-    every ``mmap`` of the loading thread then waits for) and registers it: the pinning threads
-    fault in and register at once, and each slot is ready as soon as its own call returns."""
+    every ``mmap`` of the loading thread then waits for) and registers it; ``pin_slots`` does the
+    same for several consecutive slots in one call (fewer registrations: each slows the process's
+    other threads while it runs)."""
 
     def __init__(self, slot_bytes: int, n: int) -> None:
         from ..io.libc import MAP_FAILED, libc
@@ -237,15 +238,22 @@ class PinnedArena:
 
     def pin(self, k: int) -> np.ndarray:
         """Slot ``k``, faulted in and registered: a uint8 array that keeps the arena alive."""
+        return self.pin_slots(range(k, k + 1))[0]
+
+    def pin_slots(self, ks: range) -> list[np.ndarray]:
+        """Slots ``ks`` (consecutive), faulted in by one ``memset`` and registered by one call."""
         from ..io.libc import libc
-        ptr, n = self.base + k * self.slot_bytes, self.slot_bytes
+        ptr, n = self.base + ks.start * self.slot_bytes, len(ks) * self.slot_bytes
         libc().memset(ptr, 0, n)
         self._rt.hostRegister(ptr, n, HOST_REGISTER_PORTABLE)
         with self._lock:
             self._pinned.append(ptr)
-        view = (ctypes.c_ubyte * n).from_address(ptr)
-        view.owner = self
-        return np.frombuffer(view, np.uint8)
+        views = []
+        for k in ks:
+            view = (ctypes.c_ubyte * self.slot_bytes).from_address(self.base + k * self.slot_bytes)
+            view.owner = self
+            views.append(np.frombuffer(view, np.uint8))
+        return views
 
     def __del__(self) -> None:
         mapping = getattr(self, "_mapping", None)

@@ -67,3 +67,24 @@ def test_a_slot_is_faulted_in_by_writing_it_then_registered_whole(monkeypatch):
     assert np.frombuffer(mem, np.uint8, SLOT, SLOT).min() == 7   # the slot's array is the arena's memory
     del view, arena
     mem.close()
+
+
+def test_consecutive_slots_are_faulted_in_and_registered_in_one_call(monkeypatch):
+    """A pinning thread's share of the pool is one memset and one registration: each registration
+    is work for the driver and the kernel that slows the loading thread beside it."""
+    rec = _Recorder(libc_module.libc())
+    monkeypatch.setattr(libc_module, "libc", lambda: rec)
+    arena, mem = _arena(4)
+    np.frombuffer(mem, np.uint8)[:] = 9
+    views = arena.pin_slots(range(1, 3))
+    start = arena.base + SLOT
+    assert rec.memset_calls == [(start, 2 * SLOT)]
+    assert arena._rt.registered == [(start, 2 * SLOT, runtime.HOST_REGISTER_PORTABLE)]
+    assert arena._pinned == [start]   # unregistered by the range's start
+    assert [v.ctypes.data for v in views] == [start, start + SLOT] and all(v.nbytes == SLOT for v in views)
+    body = np.frombuffer(mem, np.uint8)
+    assert body[SLOT:3 * SLOT].max() == 0 and body[:SLOT].min() == 9 and body[3 * SLOT:].min() == 9
+    views[1][:] = 5
+    assert body[2 * SLOT:3 * SLOT].min() == 5 and body[SLOT:2 * SLOT].max() == 0
+    del views, arena, body
+    mem.close()

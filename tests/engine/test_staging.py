@@ -1,5 +1,6 @@
 """The staging pool: slots are allocated on first demand, never past the bound, reused once
-released; ``fill`` pins the rest up front (warmup); a failed allocation does not use up the bound."""
+released; ``fill`` pins the rest up front (warmup), its threads each their share in one call; a
+failed allocation does not use up the bound."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from foxhunt_stream.engine.staging import StagingPool
 def _counting(nbytes: int = 4096):
     made: list[int] = []
 
-    def allocate(k: int):
-        made.append(k)
-        return np.zeros(nbytes, np.uint8), None
+    def allocate(ks: range):
+        made.extend(ks)
+        return [(np.zeros(nbytes, np.uint8), None) for _ in ks]
     return made, allocate
 
 
@@ -60,14 +61,62 @@ def test_fill_allocates_the_rest_now():
 def test_a_failed_allocation_does_not_use_up_the_bound():
     calls = []
 
-    def allocate(nbytes: int):
-        calls.append(nbytes)
+    def allocate(ks: range):
+        calls.append(ks)
         if len(calls) == 1:
             raise MemoryError("pinned allocation failed")
-        return np.zeros(nbytes, np.uint8), None
+        return [(np.zeros(4096, np.uint8), None) for _ in ks]
     pool = StagingPool(4096, 2, allocate)
     with pytest.raises(MemoryError):
         pool.acquire()
     assert pool.allocated == 0 and pool.free_count() == 2
     pool.acquire(), pool.acquire()
     assert pool.allocated == 2 and len(calls) == 3
+
+
+def test_fill_makes_consecutive_slots_in_one_call_each():
+    calls = []
+    lock = threading.Lock()
+
+    def allocate(ks: range):
+        with lock:
+            calls.append(ks)
+        return [(np.zeros(4096, np.uint8), None) for _ in ks]
+    pool = StagingPool(4096, 7, allocate)
+    pool.acquire()                       # slot 0, alone
+    pool.fill(3)
+    assert calls == [range(0, 1), range(1, 4), range(4, 7)] and pool.allocated == 7
+
+
+def test_fill_async_gives_each_thread_its_share_in_one_call():
+    calls = []
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def allocate(ks: range):
+        with lock:
+            calls.append(ks)
+            if sum(map(len, calls)) == 8:
+                done.set()
+        return [(np.zeros(4096, np.uint8), None) for _ in ks]
+    pool = StagingPool(4096, 8, allocate)
+    pool.fill_async(4)
+    assert done.wait(10)
+    assert sorted(calls, key=lambda r: r.start) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert sorted(s for r in calls for s in r) == list(range(8))
+
+
+def test_a_failed_range_is_made_again_whole():
+    calls = []
+
+    def allocate(ks: range):
+        calls.append(ks)
+        if len(calls) == 1:
+            raise MemoryError("pinned allocation failed")
+        return [(np.zeros(4096, np.uint8), None) for _ in ks]
+    pool = StagingPool(4096, 4, allocate)
+    with pytest.raises(MemoryError):
+        pool.fill(2)
+    assert pool.allocated == 0 and pool.free_count() == 4
+    pool.fill(2)
+    assert calls == [range(0, 2), range(0, 2), range(2, 4)] and pool.allocated == 4

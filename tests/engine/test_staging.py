@@ -58,14 +58,20 @@ def test_fill_allocates_the_rest_now():
     assert len(made) == 4
 
 
-def test_a_failed_allocation_does_not_use_up_the_bound():
-    calls = []
+def _failing_once():
+    """An allocator whose first call fails; the ranges it was asked for."""
+    calls: list[range] = []
 
     def allocate(ks: range):
         calls.append(ks)
         if len(calls) == 1:
             raise MemoryError("pinned allocation failed")
         return [(np.zeros(4096, np.uint8), None) for _ in ks]
+    return calls, allocate
+
+
+def test_a_failed_allocation_does_not_use_up_the_bound():
+    calls, allocate = _failing_once()
     pool = StagingPool(4096, 2, allocate)
     with pytest.raises(MemoryError):
         pool.acquire()
@@ -107,13 +113,7 @@ def test_fill_async_gives_each_thread_its_share_in_one_call():
 
 
 def test_a_failed_range_is_made_again_whole():
-    calls = []
-
-    def allocate(ks: range):
-        calls.append(ks)
-        if len(calls) == 1:
-            raise MemoryError("pinned allocation failed")
-        return [(np.zeros(4096, np.uint8), None) for _ in ks]
+    calls, allocate = _failing_once()
     pool = StagingPool(4096, 4, allocate)
     with pytest.raises(MemoryError):
         pool.fill(2)

@@ -16,7 +16,8 @@ pinning thread finished (ms from the start). 256 MiB, one anonymous mapping with
 - ``reg16``: 16 threads, each faulting in and registering its 16 MiB in one call;
 - ``fault16``: 16 threads, each faulting in its 16 MiB, no registration;
 - ``regonly32``: the mapping faulted in before the start, then ``reg32``'s registrations;
-- ``reg4``: 4 threads of 64 MiB; ``reg1``: one thread, one call; ``pool``: the library's pool.
+- ``reg8`` / ``reg4``: 8 threads of 32 MiB, 4 of 64 MiB; ``reg1``: one thread, one call;
+- ``pool``: the library's pool (``start_pinning``).
 
 Medians over interleaved rounds, printed per variant.
 """
@@ -34,7 +35,7 @@ import threading
 import time
 
 MiB = 1 << 20
-VARIANTS = ("none", "pool", "reg32", "reg16", "fault16", "regonly32", "reg4", "reg1")
+VARIANTS = ("none", "pool", "reg32", "reg16", "fault16", "regonly32", "reg8", "reg4", "reg1")
 
 
 def child(variant: str, ckpt: str) -> dict:
@@ -85,6 +86,7 @@ def child(variant: str, ckpt: str) -> dict:
         "reg16": [([(t * 16 * MiB, 16 * MiB)], True, True) for t in range(16)],
         "fault16": [([(t * 16 * MiB, 16 * MiB)], True, False) for t in range(16)],
         "regonly32": [(r, False, True) for r in pairs],
+        "reg8": [([(t * 32 * MiB, 32 * MiB)], True, True) for t in range(8)],
         "reg4": [([(t * 64 * MiB, 64 * MiB)], True, True) for t in range(4)],
         "reg1": [([(0, total)], True, True)],
     }

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import mmap
 import os
 import statistics
@@ -58,7 +59,7 @@ def child(variant: str, ckpt: str) -> dict:
             if len(s) >= 2:
                 s[0] = -(-s[0] // 8)
             shapes.append(tuple(s))
-    n = [2 * int(torch.tensor(s).prod()) for s in shapes]
+    n = [2 * math.prod(s) for s in shapes]   # bf16
     dev = Device("cuda", 0)
     fw = TorchFramework()
     rt = runtime.runtime()

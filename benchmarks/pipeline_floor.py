@@ -225,14 +225,23 @@ class TargetFloor:
             src.close()
 
 
+def rows_shard(fs, files: list[str], tp: int):
+    """Rank 0 of ``tp``'s rows plan: every tensor of two or more dimensions split along dim 0, the
+    1-D ones whole."""
+    shapes = {t.name: tuple(t.shape) for p in files for t in fs.read_header(p).tensors}
+    return fs.TPSlice(0, tp, lambda n: 0 if len(shapes[n]) >= 2 else None)
+
+
 def ladder(args, files: list[str], fs, common) -> int:
-    """From the floor to the library's full load, a step at a time (``--ladder``; the module's docstring)."""
+    """From the floor to the library's load of the full plan (or with ``--ladder-plan rows`` of rank
+    0's rows plan), a step at a time (``--ladder``; the module's docstring)."""
     from common import GB, Results, median
     res = Results("ladder", args.out)
     fw = common.framework(args.device)
     dev = parse_device(args.device)
     gpu = dev.is_cuda
-    first = fs.load_file(args.ckpt, device=args.device, framework=fw, progress=False)
+    shard = rows_shard(fs, files, args.tp) if args.ladder_plan == "rows" else None
+    first = fs.load_file(args.ckpt, device=args.device, framework=fw, progress=False, shard=shard)
     store = {k: (v.clone() if hasattr(v, "clone") else v.copy()) for k, v in first.items()}
     del first
     mib = 1 << 20
@@ -240,22 +249,24 @@ def ladder(args, files: list[str], fs, common) -> int:
     dest = None
     for rb in (int(x) * mib for x in args.reads.split(",")):
         at = f"{rb // mib} MiB"
-        floor = Floor(args.ckpt, None, args.device, threads=args.threads, chunk_bytes=rb, read_bytes=rb, dest=dest)
+        floor = Floor(args.ckpt, shard, args.device, threads=args.threads, chunk_bytes=rb, read_bytes=rb, dest=dest)
         dest = floor.dest
         cases[f"floor, {at} slots and reads"] = floor
         if gpu:
-            cases[f"floor, slots laid out as the pool, {at}"] = Floor(args.ckpt, None, args.device, threads=args.threads,
+            cases[f"floor, slots laid out as the pool, {at}"] = Floor(args.ckpt, shard, args.device, threads=args.threads,
                                                                      chunk_bytes=rb, read_bytes=rb, dest=dest, arena=True)
         cases[f"floor loop, chunks landed by the target, {at} reads"] = TargetFloor(floor, rb)
         cases[f"load_into (tensors made before), {at} reads"] = functools.partial(
-            fs.load_into, store, args.ckpt, progress=False, read_bytes=rb)
+            fs.load_into, store, args.ckpt, progress=False, read_bytes=rb, shard=shard)
         cases[f"load_file, {at} reads"] = functools.partial(
-            fs.load_file, args.ckpt, device=args.device, framework=fw, progress=False, read_bytes=rb)
+            fs.load_file, args.ckpt, device=args.device, framework=fw, progress=False, read_bytes=rb, shard=shard)
     cases[f"load_file, {args.ladder_threads} workers"] = functools.partial(
-        fs.load_file, args.ckpt, device=args.device, framework=fw, progress=False, threads=args.ladder_threads)
+        fs.load_file, args.ckpt, device=args.device, framework=fw, progress=False, threads=args.ladder_threads,
+        shard=shard)
     steps = [c for c in cases.values() if isinstance(c, (Floor, TargetFloor))]
     nbytes = floor.nbytes
-    res.say(f"ladder: {nbytes / GB:.2f} GB, hot, to {args.device}; the floors on {args.threads} threads, the loads "
+    plan = "the full plan" if shard is None else f"rank 0 of TP={args.tp}, rows plan"
+    res.say(f"ladder: {plan}, {nbytes / GB:.2f} GB, hot, to {args.device}; the floors on {args.threads} threads, the loads "
             f"with the library's defaults unless named; medians of {args.rounds} interleaved rounds", "")
     if gpu:
         import cupy
@@ -294,12 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ladder", action="store_true", help="from the floor to the library's load, a step at a time")
     ap.add_argument("--reads", default="4,2", help="--ladder: read sizes in MiB (default 4,2)")
     ap.add_argument("--ladder-threads", type=int, default=14, help="--ladder: the last step's workers (default 14)")
+    ap.add_argument("--ladder-plan", choices=("full", "rows"), default="full",
+                    help="--ladder: the plan climbed to, the full load's or rank 0's rows plan (--tp)")
     args = ap.parse_args(argv)
     if args.ladder:
         return ladder(args, common.ensure_checkpoint(args.ckpt, args.size, args.shards), fs, common)
     files = common.ensure_checkpoint(args.ckpt, args.size, args.shards)
-    shapes = {t.name: tuple(t.shape) for p in files for t in fs.read_header(p).tensors}
-    rows = fs.TPSlice(0, args.tp, lambda n: 0 if len(shapes[n]) >= 2 else None)
+    rows = rows_shard(fs, files, args.tp)
     fw = common.framework(args.device)
     res = Results("floor", args.out)
     cases: dict = {"full load (library)": lambda: fs.load_file(args.ckpt, device=args.device, framework=fw),

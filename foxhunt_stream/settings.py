@@ -62,20 +62,19 @@ def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _default_threads() -> int:
-    return max(1, min(16, available_cpus()))
-
-
-def background_threads(threads: int) -> int:
-    """Workers of a background load when none were asked for: three quarters of the default, so the
-    caller's thread (building the model, running its forward) finds a CPU (RESULTS.md)."""
-    return max(1, threads * 3 // 4)
+def default_threads(background: bool = False) -> int:
+    """Workers when none were asked for: one per CPU, less one CPU in eight left to the caller's
+    thread and the CUDA driver's (14 of 16: a TP rank's first load came sooner, RESULTS.md), at most
+    16; for a background load three quarters of that many CPUs, so that the caller's thread
+    (building the model, running its forward) finds one."""
+    cpus = available_cpus()
+    return max(1, min(16, cpus) * 3 // 4 if background else min(16, cpus - cpus // 8))
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    threads: int = 0                 # reader/writer threads; 0 = one per CPU, at most 16 (a background
-                                     # load: three quarters of that, see background_threads)
+    threads: int = 0                 # reader/writer threads; 0 = one per CPU less one in eight, at most 16
+                                     # (a background load: three quarters of the CPUs; default_threads)
     chunk_bytes: int = 8 << 20       # a staging slot: the most one copy moves (a gathered column slice
                                      # fills it; 8 MiB) and the checksum block
     read_bytes: int = 4 << 20        # a load to a GPU reads and copies contiguous runs (tensors, row slices)
@@ -93,8 +92,7 @@ class Settings:
         """``threads=0`` made concrete (``background``: for a load the caller works beside)."""
         if self.threads:
             return self
-        n = _default_threads()
-        return replace(self, threads=background_threads(n) if background else n)
+        return replace(self, threads=default_threads(background))
 
     def validate(self) -> "Settings":
         problem = self.problem()

@@ -87,13 +87,20 @@ def test_options_take_effect(ckpt, caplog):
 
 
 def test_a_background_load_leaves_the_caller_cpus(monkeypatch, tmp_path):
-    """threads=0 means one per CPU (at most 16), and three quarters of that for a load the caller
-    works beside; an explicit count (option or environment) is taken as it is."""
+    """threads=0 means one per CPU less one in eight (for the caller's thread and the driver's), at
+    most 16, and three quarters of the CPUs for a load the caller works beside; an explicit count
+    (option or environment) is taken as it is."""
     monkeypatch.setattr(settings, "available_cpus", lambda: 16)
-    assert fresh(settings.merge).threads == 16
+    assert fresh(settings.merge).threads == 14
     assert fresh(settings.merge, background=True).threads == 12
     assert fresh(settings.merge, background=True, threads=16).threads == 16
+    assert fresh(settings.merge, threads=16).threads == 16
+    monkeypatch.setattr(settings, "available_cpus", lambda: 32)
+    assert fresh(settings.merge).threads == 16
+    monkeypatch.setattr(settings, "available_cpus", lambda: 8)
+    assert fresh(settings.merge).threads == 7
     monkeypatch.setattr(settings, "available_cpus", lambda: 2)
+    assert fresh(settings.merge).threads == 2
     assert fresh(settings.merge, background=True).threads == 1
     monkeypatch.setattr(settings, "available_cpus", lambda: 16)
     path = tmp_path / "many.safetensors"

@@ -28,9 +28,9 @@ pool (``arena=True``: one registered mapping, a slot every chunk + 8 KiB); the f
 each chunk through the library's target (``TargetFloor``: its ring of pool slots, ``read_span``,
 copy and event); ``load_into`` (the library's plan, workers and bookkeeping into tensors made
 before); ``load_file`` (the same, allocating its tensors); and ``load_file`` with
-``--ladder-threads`` workers:
+``--ladder-threads`` workers; the full plan's, or with ``--ladder-plan rows`` rank 0's rows plan:
 
-    python benchmarks/pipeline_floor.py CKPT --ladder --reads 4,2 --rounds 5 [--out DIR]
+    python benchmarks/pipeline_floor.py CKPT --ladder [--ladder-plan rows] --reads 4,2 --rounds 5 [--out DIR]
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ class CudaTarget:
         self.ctx = context(device_index)
         self.slot_bytes = slot_bytes(chunk_bytes)
         self.n_slots = n_slots
-        self.per_worker = max(1, n_slots // max(1, threads))   # defaults: 32 slots / 16 workers = 2
+        self.per_worker = max(1, n_slots // max(1, threads))   # defaults: 32 slots / 14 workers = 2
         self._rt = cudart.runtime()
         self._rings: dict[int, _Ring] = {}
 

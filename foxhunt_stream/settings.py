@@ -9,8 +9,7 @@ import difflib
 import os
 import re
 import warnings
-from dataclasses import dataclass, fields, replace
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 from .errors import OptionError
 
@@ -71,8 +70,10 @@ def default_threads(background: bool = False) -> int:
     return max(1, min(16, cpus) * 3 // 4 if background else min(16, cpus - cpus // 8))
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
+class Settings(NamedTuple):
+    """One load's or save's settings, immutable (a NamedTuple: made in a fraction of a frozen
+    dataclass's time, and every load's first call imports it)."""
+
     threads: int = 0                 # reader/writer threads; 0 = one per CPU less one in eight, at most 16
                                      # (a background load: three quarters of the CPUs; default_threads)
     chunk_bytes: int = 8 << 20       # a staging slot: the most one copy moves (a gathered column slice
@@ -92,7 +93,7 @@ class Settings:
         """``threads=0`` made concrete (``background``: for a load the caller works beside)."""
         if self.threads:
             return self
-        return replace(self, threads=default_threads(background))
+        return self._replace(threads=default_threads(background))
 
     def validate(self) -> "Settings":
         problem = self.problem()
@@ -158,7 +159,7 @@ _warned: set[str] = set()
 
 def _warn_unknown_variables() -> None:
     """One warning per unknown ``FOXHUNT_*`` variable of the environment, per process."""
-    known = {"FOXHUNT_" + f.name.upper() for f in fields(Settings)} | set(OTHER_VARIABLES)
+    known = {"FOXHUNT_" + f.upper() for f in Settings._fields} | set(OTHER_VARIABLES)
     for name in sorted(os.environ):
         if name.startswith("FOXHUNT_") and name not in known and name not in _warned:
             _warned.add(name)
@@ -177,11 +178,11 @@ def _from_env() -> Settings:
     naming the variable and the value it holds."""
     _warn_unknown_variables()
     kw = {}
-    for f in fields(Settings):
-        env = _env_name(f.name)
+    for f in Settings._fields:
+        env = _env_name(f)
         if env in os.environ:
             try:
-                kw[f.name] = _coerce(f.name, os.environ[env])
+                kw[f] = _coerce(f, os.environ[env])
             except ValueError as e:
                 raise OptionError(f"environment variable {env}={_shown(os.environ[env])}: {e}") from None
     s = Settings(**kw)
@@ -206,12 +207,12 @@ def current() -> Settings:
 
 def _apply(options: dict) -> Settings:
     """Current settings with ``options`` applied (None = keep); unknown names are a TypeError."""
-    known = {f.name for f in fields(Settings)}
+    known = set(Settings._fields)
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; valid: {', '.join(sorted(known))}")
     kw = {k: _coerce(k, v) for k, v in options.items() if v is not None}
-    return replace(current(), **kw).validate()
+    return current()._replace(**kw).validate()
 
 
 def merge(*, background: bool = False, **options) -> Settings:

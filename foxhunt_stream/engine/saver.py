@@ -14,7 +14,7 @@ import os
 import secrets
 import stat
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -151,7 +151,7 @@ def _write_one(sources: list[_Source], path, metadata: Mapping[str, str] | None,
     if checksum is not None:   # chunks cut on checksum blocks, each hashed where it passes
         digests = SaveDigests(checksum[0], checksum[1], [t.name for t in infos], [src.nbytes for src in ordered])
         if s.chunk_bytes < digests.block:
-            s = replace(s, chunk_bytes=digests.block, staging_bytes=max(s.staging_bytes, digests.block))
+            s = s._replace(chunk_bytes=digests.block, staging_bytes=max(s.staging_bytes, digests.block))
     header = serialize_header(infos, metadata if digests is None else digests.metadata(metadata, final=False))
     total = len(header) + (infos[-1].end if infos else 0)
     items = plan_save([src.nbytes for src in ordered], [len(header) + t.start for t in infos], s.chunk_bytes,

@@ -30,7 +30,6 @@ import struct
 from typing import Iterable, Mapping, NamedTuple
 
 from .dtypes import DTYPES, DType
-from .header_json import header_text, kind_name, read_header_object
 from .header_plain import MAX_DIMS, read_plain
 from .. import collector
 from ..errors import FormatError
@@ -102,6 +101,14 @@ def read_header_len(prefix: bytes, file_size: int) -> int:
     return n
 
 
+def header_text(data: bytes, start: int, stop: int) -> str:
+    """The header's JSON ``data[start:stop]`` as text (FormatError if it is not UTF-8)."""
+    try:
+        return str(memoryview(data)[start:stop], "utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError("header-utf8", f"header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
 def _metadata(value) -> dict[str, str] | None:
     """``__metadata__``: absent/null, or an object of string to string."""
     if value is None:
@@ -110,6 +117,7 @@ def _metadata(value) -> dict[str, str] | None:
         raise FormatError("metadata-type", "__metadata__ must be an object of string to string, or null")
     for k, v in value.items():
         if not isinstance(v, str):
+            from .header_json import kind_name
             raise FormatError("metadata-type", f"__metadata__[{k!r}] is a {kind_name(v)}, not a string")
     return value
 
@@ -196,6 +204,7 @@ def parse_header(header_bytes: bytes, file_size: int) -> Header:
             infos = list(map(_new_tuple, itertools.repeat(TensorInfo), zip(names, *fields)))
             by_name = dict(zip(names, infos))
         if plain is None or len(by_name) != len(infos):   # (a name twice: the member-by-member reader says which)
+            from .header_json import read_header_object   # imported only for a header in another form
             obj = read_header_object(text, data, N_LEN, N_LEN + n)
             metadata = _metadata(obj.pop("__metadata__", None))
             infos = list(map(tensor_info, obj, obj.values()))
@@ -211,6 +220,7 @@ def tensor_info(name: str, entry) -> TensorInfo:
     """The entry of tensor ``name``, validated; the first rule it breaks is the FormatError raised,
     naming the tensor. Fields other than dtype, shape and data_offsets are not looked at."""
     if type(entry) is not dict:
+        from .header_json import kind_name
         raise FormatError("tensor-entry", f"entry is a {kind_name(entry)}, not an object", tensor=name)
     try:
         dt, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]

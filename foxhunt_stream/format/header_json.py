@@ -183,14 +183,6 @@ def _read_header_object(text: str, reading: _Reading) -> dict:
     return obj
 
 
-def header_text(data: bytes, start: int, stop: int) -> str:
-    """The header's JSON ``data[start:stop]`` as text (FormatError if it is not UTF-8)."""
-    try:
-        return str(memoryview(data)[start:stop], "utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError("header-utf8", f"header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-
-
 def read_header_object(text: str, data: bytes, start: int, stop: int) -> dict:
     """The header's top-level object from its JSON ``text`` (``data[start:stop]`` decoded), as
     ``_read_header_object`` gives it; values too big to build that break a rule come as

@@ -5,7 +5,6 @@ worker threads as read, or on its GPU once whole (``cuda.digest``).
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -86,7 +85,7 @@ class Verifier:
             return s
         # two slots per worker, within 1 GiB (a hostile file may claim 256 MiB blocks)
         slots = min(2 * s.threads, max(1, (1 << 30) // self.granule))
-        return replace(s, chunk_bytes=self.granule, staging_bytes=max(s.staging_bytes, slots * self.granule))
+        return s._replace(chunk_bytes=self.granule, staging_bytes=max(s.staging_bytes, slots * self.granule))
 
     def add(self, dest: int, offset: int, data) -> None:
         h = self._hashers[dest]

@@ -14,8 +14,7 @@ import fnmatch
 import json
 import os
 import stat
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from ..errors import FormatError
 from ..format.header import MAX_HEADER_SIZE, N_LEN, Header, TensorInfo, parse_header, read_header_len
@@ -56,15 +55,15 @@ def _read_exact(f, offset: int, n: int) -> bytes:
     return bytes(out[:got])
 
 
-@dataclass
-class Checkpoint:
-    """The files of a checkpoint, their headers, and one name map across them."""
+class Checkpoint(NamedTuple):
+    """The files of a checkpoint, their headers, and one name map across them (a NamedTuple, not
+    a dataclass: every first load imports it, and a dataclass takes several times longer to make)."""
     paths: list[str]
     headers: list[Header]
-    names: dict[str, tuple[int, TensorInfo]] = field(default_factory=dict)
+    names: dict[str, tuple[int, TensorInfo]]   # name -> (file index, its entry)
     index_metadata: dict | None = None
     index_path: str | None = None
-    identities: list[tuple] = field(default_factory=list)   # per file, as its header was read
+    identities: Sequence[tuple] = ()   # per file, as its header was read (none: a file object)
 
     def metadata(self) -> dict[str, str] | None:
         """One flat ``dict[str, str]`` (or None when nothing has any), the shape every caller expects.
@@ -300,7 +299,7 @@ def assemble(resolved: Resolved, read: list[tuple[Header, tuple]]) -> Checkpoint
     paths, weight_map, index_meta, index_path = (resolved.paths, resolved.weight_map, resolved.index_metadata,
                                                  resolved.index_path)
     headers = [h for h, _ in read]
-    ck = Checkpoint(paths, headers, index_metadata=index_meta, index_path=index_path,
+    ck = Checkpoint(paths, headers, {}, index_metadata=index_meta, index_path=index_path,
                     identities=[i for _, i in read])
     if weight_map is not None and index_meta is not None and SAVE_KEY in index_meta:
         _one_save(resolved, read)

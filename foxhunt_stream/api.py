@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .engine.handle import LoadHandle
-from .engine.loader import load_file as load_here
-from .io.checkpoint import Names
-
 if TYPE_CHECKING:
+    from .engine.handle import LoadHandle
     from .format.tp import TPSlice
+    from .io.checkpoint import Names
 
 
 def load_file(source, device: Any = "cpu", framework: str | None = None, names: Names = None, *,
@@ -31,10 +29,26 @@ def load_file(source, device: Any = "cpu", framework: str | None = None, names: 
     default).
     """
     if process_group is None:
-        return load_here(source, device, framework, names, background=background, shard=shard, verify=verify,
-                         progress=progress, device_map=device_map, **options)
+        from .collector import paused
+        with paused():   # a first call's imports: no collection (see collector)
+            where = _placed_and_pinning(device, framework, device_map, background, options)
+            from .engine.loader import load_file as load_here
+        return load_here(source, where, framework, names, background=background, shard=shard, verify=verify,
+                         progress=progress, **options)
     if device_map is not None:
         raise ValueError("load_file: device_map and process_group are not supported together")
     from .distributed.load import load_file_distributed   # imports torch.distributed: only when asked
     return load_file_distributed(source, device, framework, names, process_group=process_group,
                                  background=background, shard=shard, verify=verify, progress=progress, **options)
+
+
+def _placed_and_pinning(device, framework, device_map, background: bool, options: dict):
+    """The load's checked placement, its GPU's pinned staging started before the rest of the
+    loader is imported: a process's first load pins beside its imports, not after them."""
+    from . import settings
+    from .engine.placement import placement
+    from .engine.staging import start_pinning
+    where = placement(device, framework, device_map)
+    if where.device is not None:
+        start_pinning(where.device, settings.merge(background=background, **options))
+    return where

@@ -71,18 +71,19 @@ def child(variant: str, ckpt: str, device: str) -> dict:
     import foxhunt_stream.api  # noqa: F401
     from foxhunt_stream.cuda import runtime
     from foxhunt_stream.engine import frameworks, loader, targets
+    from foxhunt_stream.engine import placement as placement_module
     from foxhunt_stream.io import source
     stamp("imported")
 
-    def steps(name: str) -> None:   # a step of the caller's thread: when it ended
-        f = getattr(loader, name)
+    def steps(name: str, module=loader) -> None:   # a step of the caller's thread: when it ended
+        f = getattr(module, name)
 
         def timed(*a, **k):
             try:
                 return f(*a, **k)
             finally:
                 stamp(name + ":end")
-        setattr(loader, name, timed)
+        setattr(module, name, timed)
 
     def spanned(cls, name: str, key: str, each=lambda a: 1) -> None:   # a step of any thread: count, first
         f = getattr(cls, name, None)                                  # start, last end (``each`` per call)
@@ -105,6 +106,7 @@ def child(variant: str, ckpt: str, device: str) -> dict:
 
     for name in ("placement", "open_checkpoint", "prepare", "LoadInFlight"):
         steps(name)
+    steps("placement", placement_module)   # where fs.load_file places a load, before the loader's import
     if gpu:
         if hasattr(runtime.PinnedArena, "pin_slots"):   # slots pinned a range at a time
             spanned(runtime.PinnedArena, "pin_slots", "pin", each=lambda a: len(a[1]))

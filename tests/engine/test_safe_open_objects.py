@@ -43,6 +43,9 @@ def _same(got: dict, want: dict = ARRAYS) -> None:
 
 
 def _open_fds() -> int:
+    """Descriptors open now, counted after a collection: another test's garbage closing its file
+    during this test's ``gc.collect()`` would otherwise pass for this test's file let go."""
+    gc.collect()
     return len(os.listdir("/proc/self/fd"))
 
 

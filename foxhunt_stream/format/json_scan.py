@@ -26,12 +26,18 @@ _SAFE_NUMBER = (r"-?(?:0|[1-9][0-9]{0,199}" + _P + r")(?:\.[0-9]+" + _P + r")?(?
                 + r"|\+?[0-9]{1,2}" + _P + r"))?(?![-+.eE0-9])")
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # a high surrogate escape not followed by a low one, or a low one not preceded by a high one
-_LONE_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
-                             r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_LONE_SURROGATE = (r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                   r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_SCALAR = "(" + STRING + ")|(" + NUMBER + ")|true|false|null"
+_OPENS = r"\[(?:[ \t\n\r]*\[)*"
+_CLOSES = r"\](?:[ \t\n\r]*\])*"
 
-_WS_RE = re.compile(WS)
-_SCALAR = re.compile("(" + STRING + ")|(" + NUMBER + ")|true|false|null")
-_SAFE_NUMBER_RE = re.compile(_SAFE_NUMBER)
+
+@functools.cache
+def _compiled(pattern: str) -> re.Pattern:
+    """``pattern`` compiled on first use: a fresh process's first load imports this module for its
+    constants, and most headers never reach the scanner."""
+    return re.compile(pattern)
 
 
 _FLAT_LEVELS = 6   # containers nested in one _flat_value
@@ -71,13 +77,13 @@ def json_error(message: str, pos: int, tensor: str | None = None) -> FormatError
 
 
 def ws_end(text: str, pos: int) -> int:
-    return _WS_RE.match(text, pos).end()
+    return _compiled(WS).match(text, pos).end()
 
 
 def lone_surrogate(text: str, start: int = 0, end: int | None = None) -> int:
     """Where the first lone surrogate escape in the JSON ``text[start:end]`` is, or -1 (escaped
     backslashes blanked first: "\\\\ud800" is no escape)."""
-    m = _LONE_SURROGATE.search(text[start:end].replace("\\\\", "  "))
+    m = _compiled(_LONE_SURROGATE).search(text[start:end].replace("\\\\", "  "))
     return -1 if m is None else start + m.start()
 
 
@@ -161,18 +167,14 @@ def _run_end(text: str, pos: int, level: int, strings: bool, tensor: str | None)
 
 
 def _scalar_end(text: str, pos: int, strings: bool, tensor: str | None) -> int:
-    m = _SCALAR.match(text, pos)
+    m = _compiled(_SCALAR).match(text, pos)
     if not m:
         raise json_error("expecting a value", pos, tensor)
     if m.group(1) is not None and strings:
         check_string(text, pos, m.end(), tensor)
-    elif m.group(2) is not None and not _SAFE_NUMBER_RE.fullmatch(m.group(2)) and math.isinf(float(m.group(2))):
+    elif m.group(2) is not None and not _compiled(_SAFE_NUMBER).fullmatch(m.group(2)) and math.isinf(float(m.group(2))):
         raise FormatError("header-json", f"number {m.group(2)[:20]}... is out of range", tensor=tensor)
     return m.end()
-
-
-_OPENS = re.compile(r"\[(?:[ \t\n\r]*\[)*")
-_CLOSES = re.compile(r"\](?:[ \t\n\r]*\])*")
 
 
 def _nth(text: str, char: str, pos: int, n: int) -> int:
@@ -202,7 +204,7 @@ def skip_value(text: str, pos: int, level: int, tensor: str | None, strings: boo
             if end > pos:
                 pos = end
             elif text.startswith("[", pos):   # arrays opened in a row are taken at once: a chain of
-                opened = _OPENS.match(text, pos)  # them costs no more than one
+                opened = _compiled(_OPENS).match(text, pos)  # them costs no more than one
                 n = opened.group().count("[")
                 if depth + n - 1 > MAX_JSON_DEPTH:
                     raise _too_deep(_nth(text, "[", pos, MAX_JSON_DEPTH - depth + 2), tensor)
@@ -242,7 +244,7 @@ def skip_value(text: str, pos: int, level: int, tensor: str | None, strings: boo
                 keys.add(key)
             expect_value = True
         elif keys is None and text.startswith("]", pos):   # as many closing as arrays are open
-            closed = _CLOSES.match(text, pos).group().count("]")
+            closed = _compiled(_CLOSES).match(text, pos).group().count("]")
             n = 1
             while n < closed and n < len(stack) and stack[-n - 1] is None:
                 n += 1

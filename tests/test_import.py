@@ -50,8 +50,9 @@ def test_unknown_attribute_is_an_attribute_error():
 
 def test_a_load_imports_neither_prefetch_nor_checksum_nor_save_nor_shard_code():
     """A plain load's first call pays only for the load path: the startup machinery (prefetch,
-    its readers and helper process, code files, import traces), checksums, the saver and the
-    tensor-parallel slicing (``format.tp``) are imported by those who use them."""
+    its readers and helper process, code files, import traces), checksums, the saver, the
+    tensor-parallel slicing (``format.tp``), the member-by-member header reader, the words of
+    device errors (``cuda.diagnose``) and the JSON scanner's patterns are for those who use them."""
     out = _run("import json, os, struct, sys, tempfile\n"
                "import numpy as np, foxhunt_stream as fs\n"
                "p = os.path.join(tempfile.mkdtemp(), 'a.safetensors')\n"
@@ -61,5 +62,8 @@ def test_a_load_imports_neither_prefetch_nor_checksum_nor_save_nor_shard_code():
                "print(sorted(m for m in ('foxhunt_stream.startup.prefetch', 'foxhunt_stream.startup.code_files',"
                " 'foxhunt_stream.startup.readers', 'foxhunt_stream.startup.helper_process',"
                " 'foxhunt_stream.startup.importtrace', 'foxhunt_stream.integrity.verifier', 'foxhunt_stream.integrity.checksums',"
-               " 'foxhunt_stream.engine.saver', 'foxhunt_stream.format.tp') if m in sys.modules))")
-    assert out == "[]"
+               " 'foxhunt_stream.engine.saver', 'foxhunt_stream.format.tp', 'foxhunt_stream.format.header_json',"
+               " 'foxhunt_stream.cuda.diagnose') if m in sys.modules))\n"
+               "from foxhunt_stream.format import json_scan\n"
+               "print(json_scan._compiled.cache_info().currsize)")
+    assert out == "[]\n0"

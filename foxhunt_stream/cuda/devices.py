@@ -8,7 +8,7 @@ import threading
 from typing import NamedTuple
 
 from ..errors import DeviceError
-from . import diagnose, runtime as cudart
+from . import runtime as cudart
 from .runtime import cupy  # noqa: F401  (the cupy module, or a DeviceError with the install hint)
 
 
@@ -65,7 +65,8 @@ def check_device(device: Device) -> None:
     try:
         n = rt.getDeviceCount()
     except Exception as e:  # cudaErrorNoDevice, no driver or one too old...
-        raise DeviceError(f"{device} cannot be used: " + diagnose.runtime_failure(
+        from .diagnose import runtime_failure
+        raise DeviceError(f"{device} cannot be used: " + runtime_failure(
             str(e), cudart.describe(), _version(rt.runtimeGetVersion), _version(rt.driverGetVersion),
             os.environ.get("CUDA_VISIBLE_DEVICES"))) from None
     if device.index >= n:

@@ -29,12 +29,15 @@ import mmap
 import os
 import sys
 import threading
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
 from ..errors import DeviceError
-from . import diagnose, libcudart
+from . import libcudart
+
+if TYPE_CHECKING:
+    from .diagnose import TorchFacts
 
 STREAM_NON_BLOCKING = 0x01     # cudaStreamNonBlocking: no implicit sync with the legacy default stream
 EVENT_DISABLE_TIMING = 0x02    # cudaEventDisableTiming: the cheapest event to record and wait for
@@ -53,7 +56,8 @@ def cupy():
     try:
         import cupy as cp
     except ImportError as e:
-        raise DeviceError(f"this needs cupy: {diagnose.CUPY_INSTALL} ({e})") from None
+        from .diagnose import CUPY_INSTALL   # the words of errors: imported when one is raised
+        raise DeviceError(f"this needs cupy: {CUPY_INSTALL} ({e})") from None
     return cp
 
 
@@ -69,8 +73,9 @@ def _installed(name: str) -> bool:
         return False
 
 
-def torch_facts() -> diagnose.TorchFacts:
+def torch_facts() -> TorchFacts:
     """What this process knows of torch, without importing it."""
+    from . import diagnose
     torch = sys.modules.get("torch")
     if torch is None:
         return diagnose.TorchFacts(installed=_installed("torch"))
@@ -106,13 +111,19 @@ def _choose(choice: str):
             return lib
         if choice == "torch":
             raise DeviceError(f"FOXHUNT_CUDART=torch, but no CUDA runtime library is loaded in this process: "
-                              f"{diagnose.no_runtime(torch_facts(), has_cupy(), has_driver())}")
+                              f"{_no_runtime()}")
     try:
         return cupy().cuda.runtime
     except DeviceError:
         if choice == "cupy":
             raise
-        raise DeviceError(diagnose.no_runtime(torch_facts(), has_cupy(), has_driver())) from None
+        raise DeviceError(_no_runtime()) from None
+
+
+def _no_runtime() -> str:
+    """Why no CUDA runtime can be had here, and the fixes (the words of a DeviceError)."""
+    from .diagnose import no_runtime
+    return no_runtime(torch_facts(), has_cupy(), has_driver())
 
 
 def has_driver() -> bool:

@@ -52,8 +52,9 @@ def child(variant: str, ckpt: str, device: str) -> dict:
     if "prealloc" in parts and gpu:
         reserved = torch.empty(17 * 10**9, dtype=torch.uint8, device=device)
         del reserved
-    if "preimport" in parts:
+    if "preimport" in parts:   # the loader too: fs.load_file imports it inside the first call
         import foxhunt_stream.api  # noqa: F401
+        import foxhunt_stream.engine.loader  # noqa: F401
     if "swi" in parts:
         sys.setswitchinterval(0.0002)
     if "warm" in parts:

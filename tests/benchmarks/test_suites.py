@@ -248,3 +248,23 @@ def test_a_variants_pythonpath_comes_before_the_package(tmp_path):
     (tmp_path / "alt" / "foxhunt_stream" / "__init__.py").write_text('raise ImportError("the package in alt")\n')
     r = fresh.run("foxhunt", str(tmp_path / "ck"), "cpu", files, timeout=120, env={"PYTHONPATH": str(tmp_path / "alt")})
     assert "the package in alt" in r.get("error", ""), r
+
+
+def test_startup_timeline_stamps_each_step_of_from_pretrained_and_the_load_alone(tmp_path):
+    """The startup timeline on the host: a from_pretrained and a plain load, each in a new process,
+    the steps in the order from_pretrained takes them, and the figures derived from them."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import startup_timeline as st
+    ck = str(tmp_path / "ck")
+    common.ensure_checkpoint(ck, "4MiB", shards=2)
+    assert st.main([ck, "--device", "cpu", "--rounds", "1", "--out", str(tmp_path / "o")]) == 0
+    data = json.loads((tmp_path / "o" / "startup_timeline.json").read_text())
+    (model,), (load,) = data["runs"]["model"], data["runs"]["load"]
+    order = ["imported", "prepare<", "load_file>", "build_on_meta<", "match<", "finalize<", "returned", "forward"]
+    assert [model[k] for k in order] == sorted(model[k] for k in order)
+    assert model["load_file>"] < model["load_end"] <= model["returned"]
+    assert load["imported"] < load["load_end"] <= load["loaded"] and "prepare>" not in load
+    figures = st.derived(model, load)
+    assert figures["background_load"] > 0 and figures["after_load"] >= 0 and figures["load_alone"] > 0
+    assert "background_load" in (tmp_path / "o" / "startup_timeline.txt").read_text()

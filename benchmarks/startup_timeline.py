@@ -21,14 +21,11 @@ the medians and, from them, the background load's time, the load alone, and how 
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-RESULT = "RESULT "
 MODES = ("model", "load")
 STEPS = ("prepare", "build_on_meta", "match", "finalize", "load_generation_config", "warm_up")
 
@@ -104,7 +101,10 @@ def derived(model: dict[str, float], load: dict[str, float] | None) -> dict[str,
 
 
 def main(argv: list[str]) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the suite's modules
     import argparse
+
+    import common
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("ckpt")
     ap.add_argument("--device", default="cuda:0")
@@ -112,47 +112,36 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="startup_timeline", help="the output files' name (<name>.json, <name>.txt)")
     a = ap.parse_args(argv)
+    res = common.Results(a.name, a.out)
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
-    lines: list[str] = []
-
-    def say(line: str) -> None:
-        print(line, flush=True)
-        lines.append(line)
     for r in range(a.rounds):
         for k in range(len(MODES)):
             mode = MODES[(k + r) % len(MODES)]
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, a.ckpt, a.device],
-                               capture_output=True, text=True, timeout=900)
-            found = [x[len(RESULT):] for x in p.stdout.splitlines() if x.startswith(RESULT)]
-            if not found:
-                say(f"[{mode}] round {r + 1}: failed: {p.stderr.strip()[-1500:]}")
+            stamps = common.run_child([os.path.abspath(__file__), "--child", mode, a.ckpt, a.device], timeout=900)
+            if "error" in stamps:
+                res.say(f"[{mode}] round {r + 1}: failed: {stamps['error']}")
                 continue
-            stamps = json.loads(found[-1])
             runs[mode].append(stamps)
-            say(f"[{mode}] round {r + 1}: " + " ".join(f"{k} {x:.1f}" for k, x in stamps.items()))
-    say("")
-    say("medians, ms from the clock's start (torch, transformers and CUDA started before it):")
+            res.say(f"[{mode}] round {r + 1}: " + " ".join(f"{k} {x:.1f}" for k, x in stamps.items()))
+    res.say("", "medians, ms from the clock's start (torch, transformers and CUDA started before it):")
     medians: dict[str, dict[str, float]] = {}
     for mode, rs in runs.items():
         if rs:
             keys = [k for k in rs[0] if all(k in x for x in rs)]
             medians[mode] = {k: statistics.median(x[k] for x in rs) for k in keys}
-            say(f"{mode}: " + " ".join(f"{k} {x:.1f}" for k, x in medians[mode].items()) + f"  ({len(rs)} rounds)")
+            res.say(f"{mode}: " + " ".join(f"{k} {x:.1f}" for k, x in medians[mode].items()) + f"  ({len(rs)} rounds)")
     if "model" in medians:
-        say("ms: " + " ".join(f"{k} {x:.1f}" for k, x in derived(medians["model"], medians.get("load")).items()))
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, a.name + ".json"), "w") as f:
-            json.dump({"command": sys.argv, "runs": runs}, f)
-        with open(os.path.join(a.out, a.name + ".txt"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+        res.say("ms: " + " ".join(f"{k} {x:.1f}" for k, x in derived(medians["model"], medians.get("load")).items()))
+    res.data["runs"] = runs
+    res.save()
     return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository, last in
-        sys.path.append(sys.path.pop(0))   # line: a PYTHONPATH or an install comes first
-        print(RESULT + json.dumps(child(*sys.argv[2:5])), flush=True)
+        stamps = child(*sys.argv[2:5])   # common imports the package: only once the clock is done
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import common
+        common.report_child(stamps)
     else:
         sys.exit(main(sys.argv[1:]))

@@ -12,7 +12,9 @@ its steps wrapped (no change to what they do), each reporting when it began (``>
 (``<``) in ms from the clock's start: ``prepare`` (the config and the model's class), ``load_file``
 (the background load started), ``build_on_meta``, ``match``, ``finalize``,
 ``load_generation_config``, ``warm_up`` (the one-token forward beside the load, on a GPU), ``wait``
-(the rest handed over); ``load_end`` (the load's last worker done), ``returned``, and ``forward``
+(the rest handed over); ``warm_up_waited`` (a duration: ms the warm forward's hooks spent waiting
+for their weights, the rest of ``warm_up`` its own work) and ``warm_up_weights_in`` (when its last
+wait returned); ``load_end`` (the load's last worker done), ``returned``, and ``forward``
 (a first one-token forward after it). ``load``: the same load alone, ``fs.load_file`` in the
 foreground (``loaded``), for what the load takes without the model around it. The summary gives
 the medians and, from them, the background load's time, the load alone, and how long
@@ -72,9 +74,23 @@ def child(mode: str, ckpt: str, device: str) -> dict[str, float]:
         return stamps
     import foxhunt_stream.torch as fs_torch
     import foxhunt_stream.transformers as fs_transformers
+    from foxhunt_stream.engine.handle import LoadHandle
     from foxhunt_stream.models import hf, torch_load
     for name in STEPS:
         wrap(hf, name)
+    wait_one = LoadHandle.wait
+    blocked = [0.0]
+
+    def waited(self, name):   # the warm forward's hooks: how long they wait for their weights
+        t = time.perf_counter()
+        try:
+            return wait_one(self, name)
+        finally:
+            if "warm_up>" in stamps and "warm_up<" not in stamps:
+                blocked[0] += time.perf_counter() - t
+                stamps["warm_up_waited"] = round(blocked[0] * 1e3, 1)
+                stamps["warm_up_weights_in"] = round((time.perf_counter() - clock) * 1e3, 1)
+    LoadHandle.wait = waited
     wrap(fs_torch, "load_file")
     wrap(torch_load.StreamedLoad, "wait")
     stamp("imported")
@@ -95,6 +111,8 @@ def derived(model: dict[str, float], load: dict[str, float] | None) -> dict[str,
     alone, and how long ``from_pretrained`` ran on after the load ended."""
     out = {"background_load": model["load_end"] - model["load_file>"],
            "after_load": model["returned"] - model["load_end"]}
+    if "warm_up<" in model:
+        out["warm_up_working"] = model["warm_up<"] - model["warm_up>"] - model.get("warm_up_waited", 0.0)
     if load is not None:
         out["load_alone"] = load["loaded"] - load["imported"]
     return out

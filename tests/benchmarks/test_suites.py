@@ -268,3 +268,15 @@ def test_startup_timeline_stamps_each_step_of_from_pretrained_and_the_load_alone
     figures = st.derived(model, load)
     assert figures["background_load"] > 0 and figures["after_load"] >= 0 and figures["load_alone"] > 0
     assert "background_load" in (tmp_path / "o" / "startup_timeline.txt").read_text()
+
+
+def test_startup_timeline_splits_the_warm_forward_into_waiting_and_working():
+    """``warm_up_working`` is the warm forward's time less what its hooks waited for weights; a
+    run without a warm forward (the host) has no such figure."""
+    import startup_timeline as st
+    model = {"load_file>": 100.0, "warm_up>": 150.0, "warm_up_waited": 120.0, "warm_up_weights_in": 400.0,
+             "load_end": 420.0, "warm_up<": 500.0, "returned": 505.0}
+    figures = st.derived(model, None)
+    assert figures == {"background_load": 320.0, "after_load": 85.0, "warm_up_working": 230.0}
+    del model["warm_up>"], model["warm_up<"], model["warm_up_waited"]
+    assert "warm_up_working" not in st.derived(model, None)

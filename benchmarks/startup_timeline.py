@@ -15,8 +15,9 @@ its steps wrapped (no change to what they do), each reporting when it began (``>
 (the rest handed over); ``warm_up_waited`` (a duration: ms the warm forward's hooks spent waiting
 for their weights, the rest of ``warm_up`` its own work) and ``warm_up_weights_in`` (when its last
 wait returned); ``load_end`` (the load's last worker done), ``returned``, and ``forward``
-(a first one-token forward after it). ``load``: the same load alone, ``fs.load_file`` in the
-foreground (``loaded``), for what the load takes without the model around it. The summary gives
+(a first one-token forward after it; with ``--no-warm-forward``, ``from_pretrained(...,
+warm_forward=False)``, the first forward of the process). ``load``: the same load alone,
+``fs.load_file`` in the foreground (``loaded``), for what the load takes without the model around it. The summary gives
 the medians and, from them, the background load's time, the load alone, and how long
 ``from_pretrained`` ran on after its load ended.
 """
@@ -32,7 +33,7 @@ MODES = ("model", "load")
 STEPS = ("prepare", "build_on_meta", "match", "finalize", "load_generation_config", "warm_up")
 
 
-def child(mode: str, ckpt: str, device: str) -> dict[str, float]:
+def child(mode: str, ckpt: str, device: str, warm: str = "default") -> dict[str, float]:
     """One process: the clock, the wrapped steps, one ``from_pretrained`` (or one load)."""
     import torch
     import transformers  # noqa: F401 -- a server has imported it before it loads
@@ -94,7 +95,7 @@ def child(mode: str, ckpt: str, device: str) -> dict[str, float]:
     wrap(fs_torch, "load_file")
     wrap(torch_load.StreamedLoad, "wait")
     stamp("imported")
-    model = fs_transformers.from_pretrained(ckpt, device=device)
+    model = fs_transformers.from_pretrained(ckpt, device=device, warm_forward=False if warm == "off" else None)
     if gpu:
         torch.cuda.synchronize(device)
     stamp("returned")
@@ -129,13 +130,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="startup_timeline", help="the output files' name (<name>.json, <name>.txt)")
+    ap.add_argument("--no-warm-forward", action="store_true",
+                    help="from_pretrained(..., warm_forward=False): the first forward after the return pays its one-time costs")
     a = ap.parse_args(argv)
     res = common.Results(a.name, a.out)
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     for r in range(a.rounds):
         for k in range(len(MODES)):
             mode = MODES[(k + r) % len(MODES)]
-            stamps = common.run_child([os.path.abspath(__file__), "--child", mode, a.ckpt, a.device], timeout=900)
+            stamps = common.run_child([os.path.abspath(__file__), "--child", mode, a.ckpt, a.device,
+                                       "off" if a.no_warm_forward else "default"], timeout=900)
             if "error" in stamps:
                 res.say(f"[{mode}] round {r + 1}: failed: {stamps['error']}")
                 continue
@@ -157,7 +161,7 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        stamps = child(*sys.argv[2:5])   # common imports the package: only once the clock is done
+        stamps = child(*sys.argv[2:6])   # common imports the package: only once the clock is done
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import common
         common.report_child(stamps)

@@ -280,3 +280,19 @@ def test_startup_timeline_splits_the_warm_forward_into_waiting_and_working():
     assert figures == {"background_load": 320.0, "after_load": 85.0, "warm_up_working": 230.0}
     del model["warm_up>"], model["warm_up<"], model["warm_up_waited"]
     assert "warm_up_working" not in st.derived(model, None)
+
+
+def test_startup_timeline_passes_no_warm_forward_to_from_pretrained(tmp_path, monkeypatch):
+    """``--no-warm-forward`` reaches each model child as ``from_pretrained(..., warm_forward=False)``."""
+    import startup_timeline as st
+    calls = []
+
+    def fake_child(args, timeout):
+        calls.append(args)
+        return {"imported": 1.0, "load_file>": 2.0, "load_end": 3.0, "returned": 4.0, "loaded": 3.5}
+    monkeypatch.setattr(common, "run_child", fake_child)
+    assert st.main([str(tmp_path), "--device", "cpu", "--rounds", "1", "--no-warm-forward"]) == 0
+    assert [a[-1] for a in calls] == ["off", "off"] and {a[2] for a in calls} == {"model", "load"}
+    calls.clear()
+    assert st.main([str(tmp_path), "--device", "cpu", "--rounds", "1"]) == 0
+    assert [a[-1] for a in calls] == ["default", "default"]

@@ -17,9 +17,9 @@ for their weights, the rest of ``warm_up`` its own work) and ``warm_up_weights_i
 wait returned); ``load_end`` (the load's last worker done), ``returned``, and ``forward``
 (a first one-token forward after it; with ``--no-warm-forward``, ``from_pretrained(...,
 warm_forward=False)``, the first forward of the process). ``load``: the same load alone,
-``fs.load_file`` in the foreground (``loaded``), for what the load takes without the model around it. The summary gives
-the medians and, from them, the background load's time, the load alone, and how long
-``from_pretrained`` ran on after its load ended.
+``fs.load_file`` in the foreground (``loaded``), for what the load takes without the model around
+it. The summary gives the medians and, from them, the background load's time, the load alone, how
+long ``from_pretrained`` ran on after its load ended and the warm forward's own working time.
 """
 
 from __future__ import annotations

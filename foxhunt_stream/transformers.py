@@ -38,9 +38,10 @@ def from_pretrained(path: str | os.PathLike, device: Any = "cuda:0", model_class
 
     The load starts once transformers has read the config and imported the model's code; the
     model is built on the meta device and tied while it runs, and the call returns only when
-    every tensor has landed. With ``warm_forward`` (default: on for CUDA) a one-token forward
-    runs while the weights stream in, so the first forward's one-time costs are paid during the
-    load; what it changed on the modules is put back.
+    every tensor has landed. With ``warm_forward`` (default: on for CUDA) the first forward's
+    one-time costs are paid during the load: a thread runs its GEMM shapes from the load's start,
+    and a one-token forward runs while the weights stream in; what it changed on the modules is
+    put back.
 
     Missing, unexpected and mismatched tensors are reported in transformers' load report. What
     this path cannot serve (quantized checkpoints, weight conversions, remote code, adapters,

@@ -1,6 +1,7 @@
 """transformers' ``from_pretrained`` with the bytes from a foxhunt_stream background load: the model is
 built, matched, initialised and tied by transformers' own functions while the load runs (on CUDA
-with a one-token ``warm_up`` forward meanwhile); what this path cannot serve goes to transformers.
+with the first forward's kernels loaded by a thread and a one-token ``warm_up`` forward meanwhile);
+what this path cannot serve goes to transformers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers.utils.loading_report import log_state_dict_report
 from ..cuda.devices import parse_device
 from ..engine.frameworks import TorchFramework
 from ..io.checkpoint import open_checkpoint
+from .first_kernels import KernelWarmer
 from .hf_build import Recipe, build_on_meta, first_floating, missing_api, recipe, resolve_dtype
 from .hf_match import KeyPlan, match
 from .hf_source import CheckpointSource, Unservable, directory_weights
@@ -55,10 +57,14 @@ def finish(source: CheckpointSource, r: Recipe, handle, device, model_class, dty
 
 def streamed_model(source: CheckpointSource, r: Recipe, handle, device, warm_forward: bool | None):
     dtype = r.dtype
+    dev = torch.device(str(parse_device(device)))
+    warm = warm_forward if warm_forward is not None else dev.type == "cuda"
+    kernels = None   # (on a GPU only: a CPU's first GEMM costs little)
+    if warm and dev.type == "cuda" and isinstance(dtype, torch.dtype):
+        kernels = KernelWarmer(handle.shapes, r.config, dtype, dev)
     model = build_on_meta(r, dtype, source.shown)
     plan = match(model, handle.shapes, dtype, r.options.get("key_mapping"))
     model._weight_conversions = plan.conversions   # as transformers keeps them, for save_pretrained
-    dev = torch.device(str(parse_device(device)))
     pending = dict(plan.targets)
     for name in values_needed_to_tie(model, plan):   # tie_weights compares these two: load them first
         put(model, pending.pop(name), handle.wait(name), plan.dtypes)
@@ -70,9 +76,11 @@ def streamed_model(source: CheckpointSource, r: Recipe, handle, device, warm_for
     load_generation_config(model, r, source)
     table = tensor_table(model)   # (tied now)
     streamed = StreamedLoad(model, handle, {name: table[key] for name, key in pending.items()}, set(), [])
-    if warm_forward if warm_forward is not None else dev.type == "cuda":
+    if warm:
         warm_up(model, dev)
     streamed.wait()   # every tensor in place; a load error is raised here
+    if kernels is not None:
+        kernels.join()
     table = tensor_table(model)
     for key in pending.values():
         mark_loaded(table[key])

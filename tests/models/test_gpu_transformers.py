@@ -54,3 +54,25 @@ def test_warm_forward_streams_a_larger_model(tmp_path, monkeypatch):
     ref = reference(str(tmp_path), device=DEV)
     assert_same_model(ref, got, device=DEV)
     assert torch.equal(logits(ref, DEV), logits(got, DEV))
+
+
+@pytest.mark.parametrize("warm_forward", [None, False])
+def test_the_first_kernels_run_beside_the_load_and_end_before_the_return(tiny, monkeypatch, warm_forward):
+    """With the warm forward (CUDA's default) a thread runs the checkpoint's GEMM shapes from the
+    load's start, and has ended without error when from_pretrained returns; without it, no thread."""
+    warmers = []
+
+    class Recorded(hf.KernelWarmer):
+        def __init__(self, shapes, config, dtype, device):
+            warmers.append(self)
+            self.shapes = dict(shapes)
+            super().__init__(shapes, config, dtype, device)
+    monkeypatch.setattr(hf, "KernelWarmer", Recorded)
+    path = tiny("llama")
+    got = fst.from_pretrained(path, device=DEV, warm_forward=warm_forward)
+    if warm_forward is False:
+        assert warmers == []
+        return
+    [warmer] = warmers
+    assert warmer.shapes and set(warmer.shapes) <= set(got.state_dict())   # the checkpoint's tensors
+    assert warmer.seconds is not None and warmer.error is None   # (seconds: set as its thread ends)

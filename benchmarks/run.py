@@ -83,6 +83,15 @@ SUITES: dict[str, Suite] = {
                         [_script("device_map_bench.py", "{ckpt}", "--out", "{out}")], 150, min_gpus=2),
     "host": Suite("the CPU path: numpy load and save against safetensors.numpy (host_bench.py)",
                   [_script("host_bench.py", "--bytes", "2GiB", "--out", "{out}")], 300, needs_ckpt=False),
+    "targets": Suite("the ten first-load targets in one run: the hot and host groups (5 rounds), the cold group "
+                     "(3 rounds, root) and the startup bench, hot (5 rounds), each figure against its bound (targets.py)",
+                     [_script("fresh_bench.py", "{ckpt}", "--device", "{device}", "--out", "{out}", "--rounds", "5",
+                              "--groups", "hot,host", "--suite", "targets_hot"),
+                      _script("fresh_bench.py", "{ckpt}", "--device", "{device}", "--out", "{out}", "--rounds", "3",
+                              "--groups", "cold", "--suite", "targets_cold"),
+                      _script("startup_bench.py", "{ckpt}", "--device", "{device}", "--out", "{out}", "--modes", "hot",
+                              "--rounds", "5", "--variants", "floor,transformers,foxhunt", "--deadline", "{deadline}"),
+                      _script("targets.py", "{out}")], 580),
     "disk": Suite("the disk's cold read rate by reader count (disk_bench.py rate)",
                   [_script("disk_bench.py", "rate", "{ckpt}", "--out", "{out}")], 200),
 }
@@ -158,10 +167,11 @@ def run_suites(names: list[str], args, env: dict[str, str], gpus: int) -> list[t
                 print(results[-1][1], flush=True)
                 continue
             timeout = min(timeout, left - 5)
-        values = dict(ckpt=args.ckpt, out=args.out, device=args.device, gpus=str(gpus),
-                      deadline=str(int(timeout - 45)), xdist=xdist())
         status, total = "ok", 0.0
         for cmd in suite.commands:
+            # deadline: what is left of the suite's time when this command starts, less a margin
+            values = dict(ckpt=args.ckpt, out=args.out, device=args.device, gpus=str(gpus),
+                          deadline=str(int(timeout - total - 45)), xdist=xdist())
             rc, seconds = run_logged(fill(cmd, values), os.path.join(args.out, f"{name}.log"),
                                      timeout - total, env)
             total += seconds

@@ -316,7 +316,8 @@ def _structure(buf, rng):
             e["dtype"] = rng.choice(list(BITS) + ["f32", "F128", "bf16"])
         elif op == 3:
             other = h[rng.choice(names)]
-            e["data_offsets"] = list(other.get("data_offsets", [0, 0]))     # identical offsets
+            offs = other.get("data_offsets", [0, 0])   # identical offsets (an earlier edit may have made them any value)
+            e["data_offsets"] = list(offs) if isinstance(offs, list) else offs
         elif op == 4:
             del h[name]
         elif op == 5:

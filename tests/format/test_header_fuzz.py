@@ -252,3 +252,18 @@ def test_size_fast_check_agrees_with_the_rules(dtype, shape, delta):
     info = TensorInfo("t", DTYPES[dtype], tuple(shape), 0, end)
     by_rules = _verdict(check_size, info)
     assert _verdict(tile_data_region, [info]) == (end if by_rules is None else by_rules)
+
+
+def test_the_mutator_edits_offsets_an_earlier_edit_made_any_value():
+    """Mutations chain: an entry whose data_offsets an earlier edit turned into a number is copied
+    as it is ("identical offsets"), not taken for a list."""
+    import format_support
+
+    class CopyOffsets(random.Random):
+        def randrange(self, start, stop=None, step=1):
+            return 3 if (start, stop) == (12, None) else super().randrange(start, stop, step)
+    text = json.dumps({"a": {"dtype": "F32", "shape": [1], "data_offsets": 0},
+                       "b": {"dtype": "F32", "shape": [1], "data_offsets": 0}}).encode()
+    out = format_support._structure(len(text).to_bytes(8, "little") + text + b"\0" * 8, CopyOffsets(1))
+    h = json.loads(out[8:8 + int.from_bytes(out[:8], "little")])
+    assert h["a"]["data_offsets"] == 0 == h["b"]["data_offsets"]

@@ -17,7 +17,6 @@ import argparse
 import json
 import operator
 import os
-import statistics
 import sys
 from typing import Any, Callable, NamedTuple
 
@@ -49,8 +48,7 @@ TARGETS = [
 
 
 def _median(runs: dict[str, list[dict]], case: str, key: str = "seconds") -> float | None:
-    xs = [r[key] for r in runs.get(case, ()) if key in r]
-    return statistics.median(xs) if xs else None
+    return common.median([r[key] for r in runs.get(case, ()) if key in r])
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

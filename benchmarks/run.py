@@ -7,7 +7,8 @@
 
 It writes the checkpoint once (``--ckpt``, on a disk: the cold figures need one; ``--size``
 16GB: Llama-3-8B's shape, 32 layers, 16.06 GB, in ``--shards`` 4 files, with its config.json;
-kept for the next command), installs the peer loaders' wheels found in ``--peer-wheels`` (a
+kept for the next command), byte-compiles the package and the suites (as an install does),
+installs the peer loaders' wheels found in ``--peer-wheels`` (a
 folder of .whl files, see shared/tools/peer-wheels) into a private folder, then runs each
 suite asked for in its own process, one after the other. A suite that fails or runs out of
 time prints why and the runner goes on to the next. In ``--out``: ``machine.json`` (hardware,
@@ -115,6 +116,14 @@ def install_peers(wheels: str, target: str) -> str | None:
     return target if r.returncode == 0 else None
 
 
+def byte_compile(folders: list[str]) -> bool:
+    """Write the bytecode of ``folders`` as ``pip install`` does for a package (and did for the peers).
+    A source checkout run under ``PYTHONDONTWRITEBYTECODE=1`` otherwise compiles every module in
+    every new process, which a first load pays: 0.05-0.08 s on an H100 host. True when all compiled."""
+    import compileall
+    return all(compileall.compile_dir(folder, quiet=1) for folder in folders)
+
+
 def run_logged(cmd: list[str], log_path: str, timeout: float, env: dict[str, str]) -> tuple[int | None, float]:
     """Run ``cmd`` in its own process group, its output echoed and appended to ``log_path``;
     returns (exit code, or None when it ran out of time and was stopped; seconds)."""
@@ -220,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     machine = common.machine()
     machine["hardware"] = common.hardware(machine)
+    machine["byte_compiled"] = byte_compile([os.path.join(common.REPO, "foxhunt_stream"), HERE])
     with open(os.path.join(args.out, "machine.json"), "w") as f:
         json.dump(machine, f, indent=1)
     print(f"{machine['hardware']}; commit {machine['commit']}; {machine['date']}", flush=True)

@@ -152,7 +152,23 @@ def test_the_runner_goes_on_past_a_suite_that_fails_or_runs_out_of_time(tmp_path
     assert "boom     failed: exit 3" in summary and "slow     stopped: out of time" in summary
     assert "fine     ok" in summary
     assert "all good" in (out / "fine.log").read_text()
-    assert json.loads((out / "machine.json").read_text())["hardware"]
+    machine = json.loads((out / "machine.json").read_text())
+    assert machine["hardware"] and machine["byte_compiled"] is True
+
+
+def test_the_runner_writes_bytecode_even_where_the_environment_forbids_it(tmp_path, monkeypatch):
+    """A fresh process then imports the package instead of compiling it, as after an install."""
+    import importlib.util
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    sources = [package / "__init__.py", package / "sub" / "mod.py"]
+    for source in sources:
+        source.write_text("X = 1\n")
+    assert runner.byte_compile([str(package)])
+    assert all(os.path.exists(importlib.util.cache_from_source(str(s))) for s in sources)
+    (package / "broken.py").write_text("def (:\n")
+    assert not runner.byte_compile([str(package)])
 
 
 def test_the_runner_on_the_cpu(tmp_path):
